@@ -1,0 +1,150 @@
+"""Batch-1 and batch-N speed of specserve with and without speculation, in one run.
+
+Starts `specserve serve` once per configuration (speculation on, then off, on
+the same model and flags), sends the same greedy code and prose prompts to
+each, and prints tokens per second for each and the ratio on/off. With
+--concurrency N it also sends N requests at once and reports the aggregate
+rate, which shows where speculation stops paying. It also reports startup
+time and the peak resident memory of the server's process tree.
+
+    .venv/bin/python scripts/bench_speculation.py --max-tokens 128
+    .venv/bin/python scripts/bench_speculation.py --concurrency 1 2 4 -- --speculation-max-batch-size 64
+"""
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+
+PROMPTS = {
+    "code": "Write a Python function that parses a CSV file into a list of dicts, "
+    "with type hints and a docstring.",
+    "prose": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
+
+
+@dataclass
+class Result:
+    label: str
+    startup_seconds: float
+    peak_rss_gib: float
+    rates: dict[tuple[str, int], float]  # (prompt, concurrency) -> output tokens/s
+
+
+def _tree_rss_bytes(pid: int) -> int:
+    """Resident memory of a process and all its descendants."""
+    total = 0
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            with open(f"/proc/{current}/status") as status:
+                for line in status:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+            with open(f"/proc/{current}/task/{current}/children") as children:
+                pending.extend(int(child) for child in children.read().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> int:
+    response = await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        },
+    )
+    response.raise_for_status()
+    return int(response.json()["usage"]["completion_tokens"])
+
+
+async def _measure(
+    port: int, max_tokens: int, concurrency: list[int]
+) -> dict[tuple[str, int], float]:
+    rates = {}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=3600) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        await _one(client, model, "Say hello.", 8)  # warm-up
+        for n in concurrency:
+            for name, prompt in PROMPTS.items():
+                start = time.perf_counter()
+                tokens = await asyncio.gather(
+                    *(_one(client, model, prompt, max_tokens) for _ in range(n))
+                )
+                rates[(name, n)] = sum(tokens) / (time.perf_counter() - start)
+    return rates
+
+
+def _run(
+    label: str, serve_args: list[str], port: int, max_tokens: int, concurrency: list[int]
+) -> Result:
+    command = [sys.executable, "-m", "server", "serve", "--port", str(port), *serve_args]
+    print(f"[{label}] {' '.join(command)}", flush=True)
+    start = time.perf_counter()
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    peak = 0
+    try:
+        while True:
+            if server.poll() is not None:
+                raise SystemExit(f"[{label}] server exited with {server.returncode}")
+            peak = max(peak, _tree_rss_bytes(server.pid))
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        startup = time.perf_counter() - start
+        rates = asyncio.run(_measure(port, max_tokens, concurrency))
+        peak = max(peak, _tree_rss_bytes(server.pid))
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    return Result(label, startup, peak / 2**30, rates)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1])
+    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("serve_args", nargs="*", help="extra `specserve serve` flags (after --)")
+    args = parser.parse_args()
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    on = _run("speculation", args.serve_args, args.port, args.max_tokens, args.concurrency)
+    off = _run(
+        "no speculation",
+        [*args.serve_args, "--no-speculation"],
+        args.port,
+        args.max_tokens,
+        args.concurrency,
+    )
+    print(f"\n{'prompt':<8}{'batch':>6}{'spec tok/s':>12}{'no-spec tok/s':>15}{'ratio':>8}")
+    for key, rate in on.rates.items():
+        name, n = key
+        print(f"{name:<8}{n:>6}{rate:>12.2f}{off.rates[key]:>15.2f}{rate / off.rates[key]:>8.2f}")
+    for result in (on, off):
+        print(
+            f"{result.label}: startup {result.startup_seconds:.0f} s, "
+            f"peak RSS {result.peak_rss_gib:.1f} GiB"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""The application factory: routers, error mapping, engine lifecycle.
+
+`create_app(engine)` builds nothing at import time; the lifespan starts the
+engine before the first request and stops it on shutdown. Every error leaves
+in OpenAI's shape: our own `APIError`s, request validation (400, not
+FastAPI's 422), unknown routes and anything unexpected (500, logged).
+"""
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from server.api import chat, completions, health, models
+from server.engine.base import Engine
+from server.errors import APIError, InternalError, InvalidRequestError, NotFoundError
+
+logger = logging.getLogger(__name__)
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.to_body(), status_code=error.status)
+
+
+def _validation_error(exc: RequestValidationError) -> InvalidRequestError:
+    problems = []
+    param = None
+    for error in exc.errors():
+        # The first location item is "body"; the rest name the parameter.
+        location = ".".join(str(part) for part in error.get("loc", ())[1:])
+        param = param or location or None
+        if error.get("type") == "extra_forbidden":
+            problems.append(f"unsupported parameter: {location}")
+        elif error.get("type") == "json_invalid":
+            problems.append("request body is not valid JSON")
+        elif location:
+            problems.append(f"{location}: {error.get('msg')}")
+        else:
+            problems.append(str(error.get("msg")))
+    return InvalidRequestError("; ".join(problems) or "invalid request", param=param)
+
+
+def create_app(engine: Engine) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    app = FastAPI(title="specserve", lifespan=lifespan)
+    app.state.engine = engine
+    for module in (completions, chat, models, health):
+        app.include_router(module.router)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(_validation_error(exc))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return _error_response(NotFoundError(str(exc.detail)))
+        error = InvalidRequestError(str(exc.detail))
+        return JSONResponse(error.to_body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error", exc_info=exc)
+        return _error_response(InternalError("internal server error"))
+
+    return app

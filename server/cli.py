@@ -1,0 +1,122 @@
+"""The command line: `specserve serve`, `specserve models pull|list`.
+
+Flags override `SPECSERVE_*` environment variables, which override defaults;
+all three land in one `Settings`. Configuration errors print one line and exit
+with status 2, never a traceback.
+"""
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from pydantic import ValidationError
+
+from server.config import ConfigError, Settings
+from server.models.embedded import ModelPullError
+
+logger = logging.getLogger(__name__)
+
+# Flags of `serve`, each a Settings field of the same name.
+_SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
+    ("--host", {}),
+    ("--port", {"type": int}),
+    ("--model", {}),
+    ("--draft-model", {}),
+    ("--speculative-method", {"choices": ["draft_model", "ngram"]}),
+    ("--num-speculative-tokens", {"type": int}),
+    ("--speculation-max-batch-size", {"type": int}),
+    ("--no-speculation", {"action": "store_true"}),
+    ("--served-model-name", {}),
+    ("--max-model-len", {"type": int}),
+    ("--dtype", {"choices": ["bfloat16", "float32", "auto"]}),
+    ("--seed", {"type": int}),
+    ("--cache-dir", {}),
+    ("--kv-cache-gib", {"type": int}),
+    ("--max-num-seqs", {"type": int}),
+]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="start the OpenAI-compatible server")
+    for flag, options in _SERVE_FLAGS:
+        field = flag.removeprefix("--").replace("-", "_")
+        help_text = Settings.model_fields[field].description
+        # SUPPRESS keeps unset flags out of the namespace so env values apply.
+        serve.add_argument(flag, default=argparse.SUPPRESS, help=help_text, **options)
+    models = commands.add_parser("models", help="manage the embedded default model pair")
+    models_commands = models.add_subparsers(dest="models_command", required=True)
+    for name, help_text in (
+        ("pull", "download, verify and convert the pair"),
+        ("list", "show the pair and whether it is cached"),
+    ):
+        sub = models_commands.add_parser(name, help=help_text)
+        sub.add_argument(
+            "--cache-dir",
+            default=argparse.SUPPRESS,
+            help=Settings.model_fields["cache_dir"].description,
+        )
+    return parser
+
+
+def _serve(settings: Settings) -> None:
+    import uvicorn
+
+    from server.app import create_app
+    from server.engine.resolve import resolve
+    from server.engine.vllm_engine import VllmEngine
+
+    engine_config = resolve(settings)
+    logger.info(
+        "serving %s (draft %s, method %s, K=%d)",
+        engine_config.model,
+        engine_config.draft_model,
+        engine_config.speculative_method,
+        engine_config.num_speculative_tokens,
+    )
+    app = create_app(VllmEngine(engine_config))
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+
+
+def _models(settings: Settings, command: str) -> None:
+    from server.models import embedded
+
+    for model in embedded.EMBEDDED_PAIR:
+        if command == "pull":
+            embedded.pull(settings.cache_dir, model)
+        else:
+            state = "cached" if embedded.is_pulled(settings.cache_dir, model) else "not pulled"
+            print(f"{model.name}\t{state}\t{embedded.model_dir(settings.cache_dir, model)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    args = vars(_parser().parse_args(argv))
+    command = args.pop("command")
+    models_command = args.pop("models_command", None)
+    try:
+        settings = Settings(**args)
+        if command == "serve":
+            _serve(settings)
+        else:
+            _models(settings, models_command)
+    except ValidationError as exc:
+        for error in exc.errors():
+            where = ".".join(str(part) for part in error["loc"])
+            message = error["msg"].removeprefix("Value error, ")
+            print(
+                f"specserve: invalid setting{' ' + where if where else ''}: {message}",
+                file=sys.stderr,
+            )
+        return 2
+    except ConfigError as exc:
+        print(f"specserve: {exc}", file=sys.stderr)
+        return 2
+    except ModelPullError as exc:
+        print(f"specserve: {exc}", file=sys.stderr)
+        return 1
+    return 0

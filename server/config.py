@@ -1,0 +1,114 @@
+"""The one typed Settings object: every knob, its default, its validation.
+
+Values come from `SPECSERVE_<NAME>` environment variables; command-line flags
+override them. Unsafe or impossible combinations are refused here, before any
+weights load, with a message that names the setting.
+"""
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "specserve" / "models"
+
+# Measured on the embedded pair on a 2-core CPU (README "Choosing K and the
+# batch cut-off"): K=3 keeps most of the code speed-up of K=4 without losing
+# on prose, and speculation stops paying once two requests share a step.
+DEFAULT_NUM_SPECULATIVE_TOKENS = 3
+DEFAULT_SPECULATION_MAX_BATCH_SIZE = 1
+
+
+class Settings(BaseSettings):
+    """Server and engine configuration (env prefix SPECSERVE_)."""
+
+    model_config = SettingsConfigDict(env_prefix="SPECSERVE_", extra="ignore")
+
+    host: str = Field("0.0.0.0", description="Address to listen on.")
+    port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on.")
+    model: str | None = Field(
+        None,
+        description="Target model: a local Hugging Face folder or a hub id. "
+        "Unset means the embedded Qwen2.5-Coder-1.5B-Instruct.",
+    )
+    draft_model: str | None = Field(
+        None,
+        description="Draft model folder or hub id. Unset means the embedded "
+        "Qwen2.5-Coder-0.5B-Instruct when the target is the embedded one.",
+    )
+    speculative_method: Literal["draft_model", "ngram"] = Field(
+        "draft_model",
+        description="draft_model uses --draft-model; ngram proposes tokens by "
+        "prompt lookup and needs no draft.",
+    )
+    num_speculative_tokens: int = Field(
+        DEFAULT_NUM_SPECULATIVE_TOKENS, description="Draft tokens proposed per step (K)."
+    )
+    speculation_max_batch_size: int = Field(
+        DEFAULT_SPECULATION_MAX_BATCH_SIZE,
+        ge=1,
+        description="Speculate only while at most this many requests share an "
+        "engine step; larger batches decode without a draft.",
+    )
+    no_speculation: bool = Field(
+        False, description="Serve the target alone, without any speculation."
+    )
+    served_model_name: str | None = Field(
+        None, description="Model name clients use; defaults to the target's folder name."
+    )
+    max_model_len: int | None = Field(
+        None, ge=16, description="Context length; defaults to the model's own."
+    )
+    dtype: Literal["bfloat16", "float32", "auto"] = Field(
+        "bfloat16", description="Weight and activation dtype."
+    )
+    seed: int = Field(0, description="Engine seed for reproducible sampling.")
+    cache_dir: Path = Field(
+        DEFAULT_CACHE_DIR, description="Where the embedded model pair is cached."
+    )
+    kv_cache_gib: int = Field(2, ge=1, description="KV cache size in GiB (CPU).")
+    max_num_seqs: int = Field(16, ge=1, description="Most requests in one engine step.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "Settings":
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}; "
+                "use --no-speculation to turn speculation off"
+            )
+        for name in ("model", "draft_model"):
+            value = getattr(self, name)
+            if (
+                value is not None
+                and _looks_like_path(value)
+                and not Path(value).expanduser().is_dir()
+            ):
+                raise ValueError(f"{name}: folder {value!r} does not exist")
+        if self.draft_model is not None and self.speculative_method == "ngram":
+            raise ValueError("draft_model is set but speculative_method is ngram; choose one")
+        if (
+            self.model is not None
+            and self.draft_model is None
+            and not self.no_speculation
+            and self.speculative_method == "draft_model"
+        ):
+            raise ValueError(
+                "a custom model needs --draft-model, --speculative-method ngram or --no-speculation"
+            )
+        return self
+
+    @property
+    def uses_embedded_pair(self) -> bool:
+        return self.model is None
+
+
+def _looks_like_path(value: str) -> bool:
+    """A hub id is `org/name`; anything that exists locally or is spelled as a
+    path (absolute, relative with a dot, home-relative) is a folder."""
+    return Path(value).expanduser().exists() or value.startswith(("/", ".", "~"))
+
+
+class ConfigError(Exception):
+    """A setting that cannot work, found before the engine starts; the CLI
+    prints the message and exits non-zero instead of a traceback."""

@@ -1,0 +1,115 @@
+"""The narrow engine contract the HTTP layer depends on.
+
+Everything the serving code needs from an inference engine is here: token
+counts and chat rendering (so limits are checked before generation), a stream
+of per-step deltas, abort and health. The vLLM adapter implements it; unit
+tests use a scripted double. Nothing here imports vllm or torch.
+"""
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Decoding parameters, already validated by the protocol layer."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    # Number of alternatives per position; None means no logprobs at all.
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token with its logprob and the top alternatives."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+@dataclass(frozen=True)
+class SpeculationStats:
+    """What speculation did for one finished sequence.
+
+    `accepted_per_position[i]` counts verify steps whose draft token at
+    position i was accepted (acceptance is a prefix, so it never grows with i).
+    """
+
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    accepted_per_position: list[int]
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """New output of one sequence (choice) since the previous step."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    speculation: SpeculationStats | None = None
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    prompt_tokens: int
+    choices: list[ChoiceDelta]
+    finished: bool
+
+
+@dataclass(frozen=True)
+class SpeculationInfo:
+    method: str
+    draft_model: str | None
+    num_speculative_tokens: int
+    max_batch_size: int
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    created: int  # unix time the engine started, reported by /v1/models
+    speculation: SpeculationInfo | None = None
+
+
+class Engine(Protocol):
+    """What an inference engine offers the server."""
+
+    def info(self) -> EngineInfo: ...
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[EngineOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def check_health(self) -> bool: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...

@@ -1,0 +1,53 @@
+"""Turn Settings into an EngineConfig: which models, checked before loading.
+
+The embedded pair is pulled if it is not cached yet. Local folders are checked
+for draft/target compatibility and context length so a bad combination fails
+with one clear message instead of an engine traceback.
+"""
+
+from pathlib import Path
+
+from server.config import ConfigError, Settings
+from server.engine.compat import check_draft_compatible, check_max_model_len
+from server.engine.vllm_engine import EngineConfig
+from server.models import embedded
+
+
+def _is_local(model: str) -> bool:
+    return Path(model).expanduser().is_dir()
+
+
+def resolve(settings: Settings) -> EngineConfig:
+    if settings.uses_embedded_pair:
+        target = str(embedded.pull(settings.cache_dir, embedded.TARGET))
+        draft = settings.draft_model
+        if draft is None and settings.speculative_method == "draft_model":
+            draft = str(embedded.pull(settings.cache_dir, embedded.DRAFT))
+    else:
+        assert settings.model is not None
+        target, draft = settings.model, settings.draft_model
+    target = str(Path(target).expanduser()) if _is_local(target) else target
+    method: str | None = None if settings.no_speculation else settings.speculative_method
+    if method != "draft_model":
+        draft = None
+    if draft is not None and _is_local(draft):
+        draft = str(Path(draft).expanduser())
+        if _is_local(target):
+            check_draft_compatible(target, draft)
+    if _is_local(target):
+        check_max_model_len(target, settings.max_model_len)
+    elif settings.model is None:
+        raise ConfigError(f"embedded model folder {target} is missing")
+    return EngineConfig(
+        model=target,
+        served_model_name=settings.served_model_name or Path(target).name,
+        draft_model=draft,
+        speculative_method=method,
+        num_speculative_tokens=settings.num_speculative_tokens,
+        speculation_max_batch_size=settings.speculation_max_batch_size,
+        max_model_len=settings.max_model_len,
+        dtype=settings.dtype,
+        seed=settings.seed,
+        kv_cache_gib=settings.kv_cache_gib,
+        max_num_seqs=settings.max_num_seqs,
+    )

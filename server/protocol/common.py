@@ -1,0 +1,49 @@
+"""Pydantic models shared by the completion and chat protocols.
+
+Requests forbid unknown fields: a parameter specserve cannot honour is a 400
+that names it, never silently ignored.
+"""
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Largest request fan-out and logprob alternatives we accept.
+MAX_N = 16
+MAX_LOGPROBS = 20
+
+
+class StrictRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(StrictRequest):
+    include_usage: bool = False
+
+
+class SamplingFields(StrictRequest):
+    """Fields common to /v1/completions and /v1/chat/completions."""
+
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = Field(None)
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    user: str | None = None
+
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def include_usage_in_stream(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int

@@ -1,0 +1,147 @@
+"""Logic behind POST /v1/chat/completions: messages through the chat template,
+engine outputs to assistant messages or chunk deltas."""
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from server.engine.base import Engine, GenerationRequest, SamplingOptions, TokenLogprob
+from server.protocol.chat import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChoiceLogprobs,
+    TokenLogprobEntry,
+    TopLogprob,
+)
+from server.protocol.common import Usage
+from server.serving.common import check_model, generate_all, new_id, now, resolve_max_tokens, sse
+
+
+@dataclass
+class PreparedChat:
+    id: str
+    created: int
+    model: str
+    body: ChatCompletionRequest
+    request: GenerationRequest
+
+
+def prepare(engine: Engine, body: ChatCompletionRequest) -> PreparedChat:
+    model = check_model(engine, body.model)
+    messages = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
+    token_ids = engine.render_chat(messages)
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = resolve_max_tokens(engine, len(token_ids), body.token_limit(), param)
+    sampling = SamplingOptions(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        n=body.n,
+        stop=body.stop_list(),
+        seed=body.seed,
+        logprobs=body.logprob_count(),
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+    )
+    chat_id = new_id("chatcmpl")
+    return PreparedChat(
+        chat_id, now(), model, body, GenerationRequest(chat_id, token_ids, sampling)
+    )
+
+
+def _logprobs(entries: list[TokenLogprob] | None) -> ChoiceLogprobs | None:
+    if entries is None:
+        return None
+    return ChoiceLogprobs(
+        content=[
+            TokenLogprobEntry(
+                token=e.token,
+                logprob=e.logprob,
+                bytes=list(e.token.encode()),
+                top_logprobs=[
+                    TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in e.top
+                ],
+            )
+            for e in entries
+        ]
+    )
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+async def complete(engine: Engine, prepared: PreparedChat) -> ChatCompletionResponse:
+    texts: dict[int, list[str]] = {}
+    logprobs: dict[int, list[TokenLogprob]] = {}
+    finish: dict[int, str | None] = {}
+    prompt_tokens = completion_tokens = 0
+    async for _, output in generate_all(engine, [prepared.request]):
+        prompt_tokens = output.prompt_tokens
+        for delta in output.choices:
+            texts.setdefault(delta.index, []).append(delta.text)
+            completion_tokens += len(delta.token_ids)
+            if delta.logprobs is not None:
+                logprobs.setdefault(delta.index, []).extend(delta.logprobs)
+            if delta.finish_reason is not None:
+                finish[delta.index] = delta.finish_reason
+    wants_logprobs = prepared.request.sampling.logprobs is not None
+    choices = [
+        ChatChoice(
+            index=index,
+            message=AssistantMessage(content="".join(parts)),
+            logprobs=_logprobs(logprobs.get(index, [])) if wants_logprobs else None,
+            finish_reason=finish.get(index),
+        )
+        for index, parts in sorted(texts.items())
+    ]
+    return ChatCompletionResponse(
+        id=prepared.id,
+        created=prepared.created,
+        model=prepared.model,
+        choices=choices,
+        usage=_usage(prompt_tokens, completion_tokens),
+    )
+
+
+async def stream(engine: Engine, prepared: PreparedChat) -> AsyncIterator[str]:
+    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        return sse(
+            ChatCompletionChunk(
+                id=prepared.id,
+                created=prepared.created,
+                model=prepared.model,
+                choices=choices,
+                usage=usage,
+            )
+        )
+
+    # OpenAI sends the role alone in each choice's first chunk.
+    for index in range(prepared.body.n):
+        yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+    prompt_tokens = completion_tokens = 0
+    async for _, output in generate_all(engine, [prepared.request]):
+        prompt_tokens = output.prompt_tokens
+        for delta in output.choices:
+            completion_tokens += len(delta.token_ids)
+            if delta.text or delta.finish_reason is not None:
+                yield chunk(
+                    [
+                        ChatChunkChoice(
+                            index=delta.index,
+                            delta=ChatDelta(content=delta.text),
+                            logprobs=_logprobs(delta.logprobs),
+                            finish_reason=delta.finish_reason,
+                        )
+                    ]
+                )
+    if prepared.body.include_usage_in_stream():
+        yield chunk([], _usage(prompt_tokens, completion_tokens))

@@ -1,0 +1,146 @@
+"""Serving logic shared by completions and chat: checks, fan-out, SSE framing.
+
+Everything that happens before the first byte is sent (model name, context
+length) raises an `APIError` the HTTP layer turns into a status code; once a
+stream is under way, errors become an SSE error event followed by [DONE].
+"""
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+from pydantic import BaseModel
+
+from server.engine.base import Engine, EngineOutput, GenerationRequest
+from server.errors import APIError, ContextLengthExceededError, InternalError, ModelNotFoundError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def check_model(engine: Engine, requested: str) -> str:
+    served = engine.info().model_name
+    if requested != served:
+        raise ModelNotFoundError(
+            f"The model '{requested}' does not exist; this server serves '{served}'",
+            param="model",
+        )
+    return served
+
+
+def resolve_max_tokens(
+    engine: Engine, prompt_tokens: int, requested: int | None, param: str
+) -> int:
+    """Tokens to generate: the request's limit, or what fits in the context."""
+    limit = engine.info().max_model_len
+    if prompt_tokens >= limit:
+        raise ContextLengthExceededError(
+            f"This model's maximum context length is {limit} tokens, but the prompt has "
+            f"{prompt_tokens} tokens; shorten the prompt",
+            param="messages" if param == "max_completion_tokens" else "prompt",
+        )
+    if requested is None:
+        return limit - prompt_tokens
+    if prompt_tokens + requested > limit:
+        raise ContextLengthExceededError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_tokens + requested} tokens ({prompt_tokens} in the prompt, {requested} "
+            f"for the completion); reduce the prompt or {param}",
+            param=param,
+        )
+    return requested
+
+
+async def generate_all(
+    engine: Engine, requests: list[GenerationRequest]
+) -> AsyncIterator[tuple[int, EngineOutput]]:
+    """Run several engine requests at once; yield (request position, output).
+
+    Leaving early (client gone, error) cancels every producer, and each
+    producer's engine stream aborts its own request on the way out.
+    """
+    if len(requests) == 1:
+        async for output in engine.generate(requests[0]):
+            yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, EngineOutput | BaseException | None]] = asyncio.Queue()
+
+    async def produce(position: int, request: GenerationRequest) -> None:
+        try:
+            async for output in engine.generate(request):
+                await queue.put((position, output))
+        except BaseException as exc:  # handed to the consumer, which re-raises
+            await queue.put((position, exc))
+            return
+        await queue.put((position, None))
+
+    tasks = [asyncio.create_task(produce(i, r)) for i, r in enumerate(requests)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            position, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield position, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json(exclude_none=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Frame a stream: an error after the 200 becomes a data event, and the
+    stream always ends with [DONE]."""
+    try:
+        async for event in events:
+            yield event
+    except APIError as exc:
+        yield exc.sse_event()
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        logger.exception("stream failed")
+        yield InternalError("internal error while streaming").sse_event()
+    yield SSE_DONE
+
+
+async def until_disconnected(
+    is_disconnected: Callable[[], Awaitable[bool]], work: Awaitable[T], poll_seconds: float = 0.5
+) -> T:
+    """Await `work`, cancelling it (and so aborting its engine requests) if the
+    client hangs up first."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_seconds)
+            if done:
+                return task.result()
+            if await is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise asyncio.CancelledError("client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()

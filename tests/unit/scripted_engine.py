@@ -1,0 +1,105 @@
+"""A scripted stand-in for the engine, for fast HTTP-layer tests only.
+
+Each word of a prompt is one token; generation replays a fixed script of
+words per choice, honours max_tokens and stop strings, and records aborts.
+The integration tests run the same routes on the real vLLM engine.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from server.engine.base import (
+    ChoiceDelta,
+    EngineInfo,
+    EngineOutput,
+    GenerationRequest,
+    SpeculationInfo,
+    TokenLogprob,
+)
+from server.errors import APIError
+
+
+class ScriptedEngine:
+    def __init__(
+        self,
+        script: list[str] | None = None,
+        max_model_len: int = 64,
+        step_delay: float = 0.0,
+        fail_after: int | None = None,
+    ) -> None:
+        self.script = script or ["Hello", " world", "!", " How", " are", " you", "?"]
+        self.max_model_len = max_model_len
+        self.step_delay = step_delay
+        self.fail_after = fail_after
+        self.healthy = True
+        self.aborted: list[str] = []
+        self.requests: list[GenerationRequest] = []
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            model_name="scripted",
+            max_model_len=self.max_model_len,
+            vocab_size=1000,
+            created=1_700_000_000,
+            speculation=SpeculationInfo("draft_model", "draft", 3, 1),
+        )
+
+    def tokenize(self, text: str) -> list[int]:
+        return [len(word) for word in text.split()]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return " ".join("x" * t for t in token_ids)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.tokenize(" ".join(f"{m['role']}: {m['content']}" for m in messages))
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineOutput]:
+        self.requests.append(request)
+        options = request.sampling
+        texts = {i: "" for i in range(options.n)}
+        finished_choices: set[int] = set()
+        try:
+            for step, word in enumerate(self.script):
+                if self.fail_after is not None and step == self.fail_after:
+                    raise APIError("scripted failure")
+                if self.step_delay:
+                    await asyncio.sleep(self.step_delay)
+                choices = []
+                for index in range(options.n):
+                    if index in finished_choices:
+                        continue
+                    texts[index] += word
+                    finish = None
+                    text = word
+                    hit = next((s for s in options.stop if s in texts[index]), None)
+                    if hit is not None:
+                        text = word[: word.index(hit)] if hit in word else ""
+                        finish = "stop"
+                    elif step + 1 >= options.max_tokens or step + 1 == len(self.script):
+                        finish = "length" if step + 1 >= options.max_tokens else "stop"
+                    logprobs = None
+                    if options.logprobs is not None:
+                        alternatives = [(word, -0.5), ("other", -1.5)][: options.logprobs]
+                        logprobs = [TokenLogprob(word, -0.5, alternatives)]
+                    choices.append(ChoiceDelta(index, text, [step + 1], logprobs, finish))
+                    if finish is not None:
+                        finished_choices.add(index)
+                done = len(finished_choices) == options.n
+                yield EngineOutput(len(request.prompt_token_ids), choices, done)
+                if done:
+                    return
+        except asyncio.CancelledError:
+            self.aborted.append(request.request_id)
+            raise
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def check_health(self) -> bool:
+        return self.healthy
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None

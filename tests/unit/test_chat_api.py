@@ -1,0 +1,97 @@
+"""POST /v1/chat/completions over the scripted engine."""
+
+import httpx
+
+from tests.unit.scripted_engine import ScriptedEngine
+from tests.unit.sse import events
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+async def test_chat_returns_an_assistant_message(client: httpx.AsyncClient) -> None:
+    response = await client.post(
+        "/v1/chat/completions", json={"model": "scripted", "messages": USER, "max_tokens": 2}
+    )
+    body = response.json()
+    assert body["object"] == "chat.completion"
+    assert body["id"].startswith("chatcmpl-")
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello world"}
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 2
+
+
+async def test_text_parts_and_roles_are_rendered(
+    client: httpx.AsyncClient, engine: ScriptedEngine
+) -> None:
+    messages = [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "c"},
+    ]
+    response = await client.post(
+        "/v1/chat/completions", json={"model": "scripted", "messages": messages, "max_tokens": 1}
+    )
+    assert response.status_code == 200
+    # "system: be brief user: ab assistant: ok user: c" in whitespace tokens
+    assert engine.requests[0].prompt_token_ids == [7, 2, 5, 5, 2, 10, 2, 5, 1]
+
+
+async def test_max_completion_tokens_wins_over_max_tokens(
+    client: httpx.AsyncClient, engine: ScriptedEngine
+) -> None:
+    await client.post(
+        "/v1/chat/completions",
+        json={"model": "scripted", "messages": USER, "max_tokens": 5, "max_completion_tokens": 2},
+    )
+    assert engine.requests[0].sampling.max_tokens == 2
+
+
+async def test_without_a_limit_generation_may_fill_the_context(
+    client: httpx.AsyncClient, engine: ScriptedEngine
+) -> None:
+    await client.post("/v1/chat/completions", json={"model": "scripted", "messages": USER})
+    request = engine.requests[0]
+    assert request.sampling.max_tokens == 64 - len(request.prompt_token_ids)
+
+
+async def test_logprobs_carry_top_alternatives(client: httpx.AsyncClient) -> None:
+    response = await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "scripted",
+            "messages": USER,
+            "max_tokens": 1,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+    )
+    content = response.json()["choices"][0]["logprobs"]["content"]
+    assert content[0]["token"] == "Hello"
+    assert content[0]["bytes"] == list(b"Hello")
+    assert [t["token"] for t in content[0]["top_logprobs"]] == ["Hello", "other"]
+
+
+async def test_stream_puts_role_first_and_finish_reason_last(client: httpx.AsyncClient) -> None:
+    response = await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "scripted",
+            "messages": USER,
+            "max_tokens": 3,
+            "stream": True,
+            "n": 2,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    chunks = events(response.text)[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    for index in (0, 1):
+        mine = [
+            c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index
+        ]
+        assert mine[0]["delta"]["role"] == "assistant"
+        assert "".join(m["delta"]["content"] or "" for m in mine) == "Hello world!"
+        assert [m["finish_reason"] for m in mine][-1] == "length"
+        assert all(m["finish_reason"] is None for m in mine[:-1])
+    assert chunks[-1]["usage"]["completion_tokens"] == 6

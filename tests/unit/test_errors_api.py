@@ -1,0 +1,150 @@
+"""Every failure leaves in OpenAI's error shape with the right status code."""
+
+import httpx
+import pytest
+
+from tests.unit.scripted_engine import ScriptedEngine
+from tests.unit.sse import events
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def assert_error(response: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+async def test_malformed_json_is_400(client: httpx.AsyncClient) -> None:
+    response = await client.post(
+        "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    error = assert_error(response, 400)
+    assert "JSON" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", 3),
+        ("top_p", 0),
+        ("n", 0),
+        ("max_tokens", 0),
+        ("logprobs", 99),
+        ("presence_penalty", 5),
+        ("stream_options", {"bogus": True}),
+    ],
+)
+async def test_invalid_values_are_400_naming_the_parameter(
+    client: httpx.AsyncClient, field: str, value: object
+) -> None:
+    response = await client.post(
+        "/v1/completions", json={"model": "scripted", "prompt": "x", field: value}
+    )
+    error = assert_error(response, 400)
+    assert error["param"].startswith(field)
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ({"suffix": "end"}, "suffix"),
+        ({"best_of": 3}, "best_of"),
+        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"logit_bias": {"1": 2}}, "logit_bias"),
+    ],
+)
+async def test_unsupported_completion_parameters_are_400(
+    client: httpx.AsyncClient, extra: dict, words: str
+) -> None:
+    response = await client.post(
+        "/v1/completions", json={"model": "scripted", "prompt": "x", **extra}
+    )
+    assert words in assert_error(response, 400)["message"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+                    }
+                ]
+            },
+            "messages",
+        ),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"messages": []}, "messages"),
+    ],
+)
+async def test_unsupported_chat_features_are_400(
+    client: httpx.AsyncClient, extra: dict, words: str
+) -> None:
+    response = await client.post(
+        "/v1/chat/completions", json={"model": "scripted", "messages": USER, **extra}
+    )
+    assert words in assert_error(response, 400)["message"]
+
+
+async def test_unknown_model_is_404_model_not_found(client: httpx.AsyncClient) -> None:
+    response = await client.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"})
+    error = assert_error(response, 404, "model_not_found")
+    assert error["param"] == "model"
+    response = await client.get("/v1/models/gpt-9")
+    assert_error(response, 404, "model_not_found")
+
+
+async def test_prompt_longer_than_context_is_400_with_counts(client: httpx.AsyncClient) -> None:
+    prompt = " ".join(["w"] * 70)
+    response = await client.post("/v1/completions", json={"model": "scripted", "prompt": prompt})
+    error = assert_error(response, 400, "context_length_exceeded")
+    assert "64" in error["message"] and "70" in error["message"]
+
+
+async def test_prompt_plus_max_tokens_over_context_is_400(client: httpx.AsyncClient) -> None:
+    response = await client.post(
+        "/v1/completions", json={"model": "scripted", "prompt": "a b c", "max_tokens": 62}
+    )
+    error = assert_error(response, 400, "context_length_exceeded")
+    assert "65" in error["message"] and error["param"] == "max_tokens"
+
+
+async def test_unknown_route_is_404_in_openai_shape(client: httpx.AsyncClient) -> None:
+    assert_error(await client.get("/v1/nothing"), 404)
+
+
+async def test_wrong_method_keeps_its_status_in_openai_shape(client: httpx.AsyncClient) -> None:
+    assert_error(await client.get("/v1/completions"), 405)
+
+
+async def test_error_after_the_stream_started_is_an_sse_event(
+    client: httpx.AsyncClient, engine: ScriptedEngine
+) -> None:
+    engine.fail_after = 2
+    response = await client.post(
+        "/v1/completions",
+        json={"model": "scripted", "prompt": "x", "max_tokens": 5, "stream": True},
+    )
+    assert response.status_code == 200
+    payloads = events(response.text)
+    assert payloads[-1] == "[DONE]"
+    assert payloads[-2]["error"]["message"] == "scripted failure"
+    assert [p["choices"][0]["text"] for p in payloads[:-2]] == ["Hello", " world"]
+
+
+async def test_error_before_streaming_is_a_plain_status(client: httpx.AsyncClient) -> None:
+    response = await client.post(
+        "/v1/completions", json={"model": "nope", "prompt": "x", "stream": True}
+    )
+    assert_error(response, 404, "model_not_found")
