@@ -1,24 +1,26 @@
 """Batch-1 and batch-N speed of specserve with and without speculation, in one run.
 
-Starts `specserve serve` once per configuration (speculation on, then off, on
-the same model and flags), sends the same greedy code and prose prompts to
-each, and prints tokens per second for each and the ratio on/off. With
+Starts `specserve serve` once without speculation and once per K, on the same
+model and flags, sends the same greedy code and prose chat prompts to each, and
+prints output tokens per second for each and the ratio to no speculation. With
 --concurrency N it also sends N requests at once and reports the aggregate
-rate, which shows where speculation stops paying. It also reports startup
-time and the peak resident memory of the server's process tree.
+rate, which shows where speculation stops paying (pass a large
+--speculation-max-batch-size so the server keeps speculating at that batch).
+It also reports startup time and the peak resident memory of each server.
 
     .venv/bin/python scripts/bench_speculation.py --max-tokens 128
-    .venv/bin/python scripts/bench_speculation.py --concurrency 1 2 4 -- --speculation-max-batch-size 64
+    .venv/bin/python scripts/bench_speculation.py --num-speculative-tokens 1 2 3 \\
+        --concurrency 1 2 -- --speculation-max-batch-size 64
 """
 
 import argparse
 import asyncio
-import os
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
@@ -87,12 +89,25 @@ async def _measure(
 
 
 def _run(
-    label: str, serve_args: list[str], port: int, max_tokens: int, concurrency: list[int]
+    label: str,
+    serve_args: list[str],
+    port: int,
+    max_tokens: int,
+    concurrency: list[int],
+    log_dir: Path | None,
 ) -> Result:
     command = [sys.executable, "-m", "server", "serve", "--port", str(port), *serve_args]
     print(f"[{label}] {' '.join(command)}", flush=True)
+    log_file = None
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_file = (log_dir / f"{label.replace(' ', '-').replace('=', '')}.log").open("w")
     start = time.perf_counter()
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        command,
+        stdout=log_file or subprocess.DEVNULL,
+        stderr=subprocess.STDOUT if log_file else subprocess.DEVNULL,
+    )
     peak = 0
     try:
         while True:
@@ -123,23 +138,43 @@ def main() -> None:
     )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1])
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        nargs="+",
+        default=[3],
+        help="one speculative run per K",
+    )
     parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="keep each server's log here (vLLM logs acceptance rates)",
+    )
     parser.add_argument("serve_args", nargs="*", help="extra `specserve serve` flags (after --)")
     args = parser.parse_args()
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    on = _run("speculation", args.serve_args, args.port, args.max_tokens, args.concurrency)
-    off = _run(
-        "no speculation",
-        [*args.serve_args, "--no-speculation"],
-        args.port,
-        args.max_tokens,
-        args.concurrency,
-    )
-    print(f"\n{'prompt':<8}{'batch':>6}{'spec tok/s':>12}{'no-spec tok/s':>15}{'ratio':>8}")
-    for key, rate in on.rates.items():
+    runs = [("no speculation", [*args.serve_args, "--no-speculation"])]
+    runs += [
+        (f"K={k}", [*args.serve_args, "--num-speculative-tokens", str(k)])
+        for k in args.num_speculative_tokens
+    ]
+    results = [
+        _run(label, serve_args, args.port, args.max_tokens, args.concurrency, args.log_dir)
+        for label, serve_args in runs
+    ]
+    baseline, speculative = results[0], results[1:]
+    header = f"{'prompt':<8}{'batch':>6}{'no-spec tok/s':>15}"
+    header += "".join(f"{r.label + ' tok/s':>13}{'ratio':>7}" for r in speculative)
+    print(f"\n{header}")
+    for key, base_rate in baseline.rates.items():
         name, n = key
-        print(f"{name:<8}{n:>6}{rate:>12.2f}{off.rates[key]:>15.2f}{rate / off.rates[key]:>8.2f}")
-    for result in (on, off):
+        row = f"{name:<8}{n:>6}{base_rate:>15.2f}"
+        row += "".join(
+            f"{r.rates[key]:>13.2f}{r.rates[key] / base_rate:>7.2f}" for r in speculative
+        )
+        print(row)
+    for result in results:
         print(
             f"{result.label}: startup {result.startup_seconds:.0f} s, "
             f"peak RSS {result.peak_rss_gib:.1f} GiB"

@@ -15,7 +15,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from server.api import chat, completions, health, models
+from server import metrics as server_metrics
+from server.api import chat, completions, health, metrics, models
+from server.api.instrumentation import RequestMetricsMiddleware
 from server.engine.base import Engine
 from server.errors import APIError, InternalError, InvalidRequestError, NotFoundError
 
@@ -44,10 +46,14 @@ def _validation_error(exc: RequestValidationError) -> InvalidRequestError:
     return InvalidRequestError("; ".join(problems) or "invalid request", param=param)
 
 
-def create_app(engine: Engine) -> FastAPI:
+def create_app(engine: Engine, baseline_tpot_seconds: float | None = None) -> FastAPI:
+    """The ASGI app over `engine`; `baseline_tpot_seconds` is the measured
+    no-speculation time per output token, exported for the slower-than-baseline alert."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
+        server_metrics.describe_server(engine.info(), baseline_tpot_seconds)
         try:
             yield
         finally:
@@ -55,7 +61,8 @@ def create_app(engine: Engine) -> FastAPI:
 
     app = FastAPI(title="specserve", lifespan=lifespan)
     app.state.engine = engine
-    for module in (completions, chat, models, health):
+    app.add_middleware(RequestMetricsMiddleware)
+    for module in (completions, chat, models, health, metrics):
         app.include_router(module.router)
 
     @app.exception_handler(APIError)

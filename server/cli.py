@@ -34,6 +34,7 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--cache-dir", {}),
     ("--kv-cache-gib", {"type": int}),
     ("--max-num-seqs", {"type": int}),
+    ("--baseline-tpot-seconds", {"type": float}),
 ]
 
 
@@ -76,7 +77,7 @@ def _serve(settings: Settings) -> None:
         engine_config.speculative_method,
         engine_config.num_speculative_tokens,
     )
-    app = create_app(VllmEngine(engine_config))
+    app = create_app(VllmEngine(engine_config), settings.baseline_tpot_seconds)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
 
 

@@ -69,6 +69,12 @@ class Settings(BaseSettings):
     )
     kv_cache_gib: int = Field(2, ge=1, description="KV cache size in GiB (CPU).")
     max_num_seqs: int = Field(16, ge=1, description="Most requests in one engine step.")
+    baseline_tpot_seconds: float | None = Field(
+        None,
+        gt=0,
+        description="Measured time per output token without speculation; exported "
+        "so an alert fires when speculation makes decoding slower than that.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "Settings":

@@ -4,7 +4,13 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from server.protocol.common import MAX_LOGPROBS, SamplingFields, StrictRequest, Usage
+from server.protocol.common import (
+    MAX_LOGPROBS,
+    SamplingFields,
+    SpeculationSummary,
+    StrictRequest,
+    Usage,
+)
 
 
 class TextPart(StrictRequest):
@@ -84,6 +90,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    speculation: SpeculationSummary | None = None
 
 
 class ChatDelta(BaseModel):
@@ -105,3 +112,4 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    speculation: SpeculationSummary | None = None

@@ -47,3 +47,23 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+
+
+class SpeculationSummary(BaseModel):
+    """specserve's extension object: what speculation did for one request.
+
+    Sent as `speculation` in non-streaming bodies and in the streaming usage
+    chunk; OpenAI clients keep unknown fields (`response.model_extra`).
+    """
+
+    applied: bool
+    reason: str | None = None
+    method: str | None = None
+    num_speculative_tokens: int | None = None
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    # Verify steps whose draft token at each position was accepted.
+    accepted_per_position: list[int] = Field(default_factory=list)
+    acceptance_rate: float | None = None
+    mean_acceptance_length: float | None = None

@@ -4,7 +4,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from server.protocol.common import MAX_LOGPROBS, SamplingFields, Usage
+from server.protocol.common import MAX_LOGPROBS, SamplingFields, SpeculationSummary, Usage
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 
@@ -62,3 +62,4 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    speculation: SpeculationSummary | None = None

@@ -5,6 +5,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from server.engine.base import Engine, GenerationRequest, SamplingOptions, TokenLogprob
+from server.metrics import RequestObserver
 from server.protocol.chat import (
     AssistantMessage,
     ChatChoice,
@@ -17,8 +18,18 @@ from server.protocol.chat import (
     TokenLogprobEntry,
     TopLogprob,
 )
-from server.protocol.common import Usage
-from server.serving.common import check_model, generate_all, new_id, now, resolve_max_tokens, sse
+from server.serving.common import (
+    check_model,
+    generate_all,
+    new_id,
+    now,
+    resolve_max_tokens,
+    speculation_summary,
+    sse,
+    usage,
+)
+
+ENDPOINT = "/v1/chat/completions"
 
 
 @dataclass
@@ -28,6 +39,7 @@ class PreparedChat:
     model: str
     body: ChatCompletionRequest
     request: GenerationRequest
+    observer: RequestObserver
 
 
 def prepare(engine: Engine, body: ChatCompletionRequest) -> PreparedChat:
@@ -48,9 +60,8 @@ def prepare(engine: Engine, body: ChatCompletionRequest) -> PreparedChat:
         frequency_penalty=body.frequency_penalty,
     )
     chat_id = new_id("chatcmpl")
-    return PreparedChat(
-        chat_id, now(), model, body, GenerationRequest(chat_id, token_ids, sampling)
-    )
+    request = GenerationRequest(chat_id, token_ids, sampling)
+    return PreparedChat(chat_id, now(), model, body, request, RequestObserver(model, ENDPOINT))
 
 
 def _logprobs(entries: list[TokenLogprob] | None) -> ChoiceLogprobs | None:
@@ -71,24 +82,14 @@ def _logprobs(entries: list[TokenLogprob] | None) -> ChoiceLogprobs | None:
     )
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
-    return Usage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-    )
-
-
 async def complete(engine: Engine, prepared: PreparedChat) -> ChatCompletionResponse:
     texts: dict[int, list[str]] = {}
     logprobs: dict[int, list[TokenLogprob]] = {}
     finish: dict[int, str | None] = {}
-    prompt_tokens = completion_tokens = 0
-    async for _, output in generate_all(engine, [prepared.request]):
-        prompt_tokens = output.prompt_tokens
+    observer = prepared.observer
+    async for _, output in generate_all(engine, [prepared.request], observer):
         for delta in output.choices:
             texts.setdefault(delta.index, []).append(delta.text)
-            completion_tokens += len(delta.token_ids)
             if delta.logprobs is not None:
                 logprobs.setdefault(delta.index, []).extend(delta.logprobs)
             if delta.finish_reason is not None:
@@ -108,30 +109,29 @@ async def complete(engine: Engine, prepared: PreparedChat) -> ChatCompletionResp
         created=prepared.created,
         model=prepared.model,
         choices=choices,
-        usage=_usage(prompt_tokens, completion_tokens),
+        usage=usage(observer),
+        speculation=speculation_summary(engine, observer),
     )
 
 
 async def stream(engine: Engine, prepared: PreparedChat) -> AsyncIterator[str]:
-    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+    def chunk(choices: list[ChatChunkChoice], **extra: object) -> str:
         return sse(
             ChatCompletionChunk(
                 id=prepared.id,
                 created=prepared.created,
                 model=prepared.model,
                 choices=choices,
-                usage=usage,
+                **extra,  # type: ignore[arg-type]
             )
         )
 
     # OpenAI sends the role alone in each choice's first chunk.
     for index in range(prepared.body.n):
         yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
-    prompt_tokens = completion_tokens = 0
-    async for _, output in generate_all(engine, [prepared.request]):
-        prompt_tokens = output.prompt_tokens
+    observer = prepared.observer
+    async for _, output in generate_all(engine, [prepared.request], observer):
         for delta in output.choices:
-            completion_tokens += len(delta.token_ids)
             if delta.text or delta.finish_reason is not None:
                 yield chunk(
                     [
@@ -144,4 +144,4 @@ async def stream(engine: Engine, prepared: PreparedChat) -> AsyncIterator[str]:
                     ]
                 )
     if prepared.body.include_usage_in_stream():
-        yield chunk([], _usage(prompt_tokens, completion_tokens))
+        yield chunk([], usage=usage(observer), speculation=speculation_summary(engine, observer))

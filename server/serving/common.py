@@ -16,6 +16,8 @@ from pydantic import BaseModel
 
 from server.engine.base import Engine, EngineOutput, GenerationRequest
 from server.errors import APIError, ContextLengthExceededError, InternalError, ModelNotFoundError
+from server.metrics import RequestObserver
+from server.protocol.common import SpeculationSummary, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +66,23 @@ def resolve_max_tokens(
 
 
 async def generate_all(
+    engine: Engine, requests: list[GenerationRequest], observer: RequestObserver
+) -> AsyncIterator[tuple[int, EngineOutput]]:
+    """Run the engine requests of one API request; yield (request position, output).
+
+    Every output passes through `observer` first, which is finished once all
+    requests completed. Leaving early (client gone, error) cancels every
+    producer, and each producer's engine stream aborts its own request.
+    """
+    async for position, output in _merged(engine, requests):
+        observer.on_output(position, output)
+        yield position, output
+    observer.finish()
+
+
+async def _merged(
     engine: Engine, requests: list[GenerationRequest]
 ) -> AsyncIterator[tuple[int, EngineOutput]]:
-    """Run several engine requests at once; yield (request position, output).
-
-    Leaving early (client gone, error) cancels every producer, and each
-    producer's engine stream aborts its own request on the way out.
-    """
     if len(requests) == 1:
         async for output in engine.generate(requests[0]):
             yield 0, output
@@ -101,6 +113,46 @@ async def generate_all(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def usage(observer: RequestObserver) -> Usage:
+    prompt, completion = observer.prompt_tokens, observer.output_tokens
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+def speculation_summary(engine: Engine, observer: RequestObserver) -> SpeculationSummary:
+    """What speculation did for this request, from vLLM's per-sequence counts."""
+    config = engine.info().speculation
+    if config is None:
+        return SpeculationSummary(applied=False, reason="speculation is disabled on this server")
+    stats = observer.speculation
+    drafts = sum(s.drafts for s in stats)
+    draft_tokens = sum(s.draft_tokens for s in stats)
+    accepted = sum(s.accepted_tokens for s in stats)
+    # Every sequence of one server has K positions.
+    per_position = [
+        sum(column) for column in zip(*(s.accepted_per_position for s in stats), strict=True)
+    ]
+    summary = SpeculationSummary(
+        applied=drafts > 0,
+        method=config.method,
+        num_speculative_tokens=config.num_speculative_tokens,
+        drafts=drafts,
+        draft_tokens=draft_tokens,
+        accepted_tokens=accepted,
+        accepted_per_position=per_position,
+        acceptance_rate=accepted / draft_tokens if draft_tokens else None,
+        mean_acceptance_length=1 + accepted / drafts if drafts else None,
+    )
+    if not drafts:
+        summary.reason = (
+            "no draft was verified: more than "
+            f"{config.max_batch_size} requests shared the engine steps, or the output "
+            "was too short to speculate"
+        )
+    return summary
 
 
 def sse(payload: BaseModel) -> str:

@@ -11,7 +11,7 @@ from server.engine.base import (
     TokenLogprob,
 )
 from server.errors import InvalidRequestError
-from server.protocol.common import Usage
+from server.metrics import RequestObserver
 from server.protocol.completions import (
     CompletionChoice,
     CompletionLogprobs,
@@ -24,8 +24,12 @@ from server.serving.common import (
     new_id,
     now,
     resolve_max_tokens,
+    speculation_summary,
     sse,
+    usage,
 )
+
+ENDPOINT = "/v1/completions"
 
 
 @dataclass
@@ -38,6 +42,7 @@ class PreparedCompletion:
     body: CompletionRequest
     requests: list[GenerationRequest]
     echo_texts: list[str]
+    observer: RequestObserver
 
 
 def prepare(engine: Engine, body: CompletionRequest) -> PreparedCompletion:
@@ -62,7 +67,8 @@ def prepare(engine: Engine, body: CompletionRequest) -> PreparedCompletion:
         requests.append(GenerationRequest(f"{completion_id}-{position}", token_ids, sampling))
         if body.echo:
             echo_texts.append(prompt if isinstance(prompt, str) else engine.decode(prompt))
-    return PreparedCompletion(completion_id, now(), model, body, requests, echo_texts)
+    observer = RequestObserver(model, ENDPOINT)
+    return PreparedCompletion(completion_id, now(), model, body, requests, echo_texts, observer)
 
 
 def _check_token_ids(token_ids: list[int], vocab_size: int) -> None:
@@ -78,7 +84,6 @@ def _check_token_ids(token_ids: list[int], vocab_size: int) -> None:
 @dataclass
 class _ChoiceState:
     text: list[str] = field(default_factory=list)
-    tokens: int = 0
     logprobs: CompletionLogprobs | None = None
     offset: int = 0
     finish_reason: str | None = None
@@ -95,104 +100,84 @@ def _logprobs(entries: list[TokenLogprob], offset: int) -> CompletionLogprobs:
     return result
 
 
-class _Tracker:
-    """Per-choice state and token counts across all prompts of one request."""
+class _Choices:
+    """Per-choice state across all prompts of one request."""
 
     def __init__(self, prepared: PreparedCompletion) -> None:
         self.prepared = prepared
-        self.choices: dict[int, _ChoiceState] = {}
-        self.prompt_tokens: dict[int, int] = {}
+        self.states: dict[int, _ChoiceState] = {}
 
-    def index(self, position: int, delta: ChoiceDelta) -> int:
-        return position * self.prepared.body.n + delta.index
-
-    def observe(self, position: int, prompt_tokens: int, delta: ChoiceDelta) -> tuple[int, str]:
-        """Record a delta; return the choice index and the text to emit."""
-        self.prompt_tokens[position] = prompt_tokens
-        index = self.index(position, delta)
-        state = self.choices.get(index)
+    def add(self, position: int, delta: ChoiceDelta) -> CompletionChoice:
+        """Record a delta; return it as the choice fragment to stream."""
+        index = position * self.prepared.body.n + delta.index
+        state = self.states.get(index)
         text = delta.text
         if state is None:
-            state = self.choices[index] = _ChoiceState()
+            state = self.states[index] = _ChoiceState()
             if self.prepared.echo_texts:
                 text = self.prepared.echo_texts[position] + text
         state.text.append(text)
-        state.tokens += len(delta.token_ids)
+        logprobs = None
         if delta.logprobs is not None:
-            part = _logprobs(delta.logprobs, state.offset)
-            if state.logprobs is None:
-                state.logprobs = part
-            else:
-                for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                    getattr(state.logprobs, name).extend(getattr(part, name))
+            logprobs = _logprobs(delta.logprobs, state.offset)
             state.offset += sum(len(e.token) for e in delta.logprobs)
+            if state.logprobs is None:
+                state.logprobs = CompletionLogprobs()
+            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                getattr(state.logprobs, name).extend(getattr(logprobs, name))
         if delta.finish_reason is not None:
             state.finish_reason = delta.finish_reason
-        return index, text
-
-    def usage(self) -> Usage:
-        prompt = sum(self.prompt_tokens.values())
-        completion = sum(state.tokens for state in self.choices.values())
-        return Usage(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        return CompletionChoice(
+            index=index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason
         )
+
+    def final(self) -> list[CompletionChoice]:
+        return [
+            CompletionChoice(
+                index=index,
+                text="".join(state.text),
+                logprobs=state.logprobs,
+                finish_reason=state.finish_reason,
+            )
+            for index, state in sorted(self.states.items())
+        ]
 
 
 async def complete(engine: Engine, prepared: PreparedCompletion) -> CompletionResponse:
-    tracker = _Tracker(prepared)
-    async for position, output in generate_all(engine, prepared.requests):
+    choices = _Choices(prepared)
+    observer = prepared.observer
+    async for position, output in generate_all(engine, prepared.requests, observer):
         for delta in output.choices:
-            tracker.observe(position, output.prompt_tokens, delta)
-    choices = [
-        CompletionChoice(
-            index=index,
-            text="".join(state.text),
-            logprobs=state.logprobs,
-            finish_reason=state.finish_reason,
-        )
-        for index, state in sorted(tracker.choices.items())
-    ]
+            choices.add(position, delta)
     return CompletionResponse(
         id=prepared.id,
         created=prepared.created,
         model=prepared.model,
-        choices=choices,
-        usage=tracker.usage(),
+        choices=choices.final(),
+        usage=usage(observer),
+        speculation=speculation_summary(engine, observer),
     )
 
 
 async def stream(engine: Engine, prepared: PreparedCompletion) -> AsyncIterator[str]:
-    tracker = _Tracker(prepared)
+    choices = _Choices(prepared)
+    observer = prepared.observer
 
-    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+    def chunk(fragments: list[CompletionChoice], **extra: object) -> str:
         return sse(
             CompletionResponse(
                 id=prepared.id,
                 created=prepared.created,
                 model=prepared.model,
-                choices=choices,
-                usage=usage,
+                choices=fragments,
+                **extra,  # type: ignore[arg-type]
             )
         )
 
-    async for position, output in generate_all(engine, prepared.requests):
+    async for position, output in generate_all(engine, prepared.requests, observer):
         for delta in output.choices:
-            index, text = tracker.observe(position, output.prompt_tokens, delta)
-            logprobs = None
-            if delta.logprobs is not None:
-                state = tracker.choices[index]
-                offset = state.offset - sum(len(e.token) for e in delta.logprobs)
-                logprobs = _logprobs(delta.logprobs, offset)
-            if text or delta.finish_reason is not None:
-                yield chunk(
-                    [
-                        CompletionChoice(
-                            index=index,
-                            text=text,
-                            logprobs=logprobs,
-                            finish_reason=delta.finish_reason,
-                        )
-                    ]
-                )
+            fragment = choices.add(position, delta)
+            if fragment.text or fragment.finish_reason is not None:
+                yield chunk([fragment])
     if prepared.body.include_usage_in_stream():
-        yield chunk([], tracker.usage())
+        yield chunk([], usage=usage(observer), speculation=speculation_summary(engine, observer))

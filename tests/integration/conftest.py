@@ -105,3 +105,11 @@ async def plain_server(tiny: TinyModels) -> AsyncIterator[RunningServer]:
     context lets disconnect tests start generations that outlast the client."""
     async for running in serve(tiny_engine_config(tiny, None, max_model_len=2048)):
         yield running
+
+
+@pytest.fixture(scope="session")
+async def ngram_server(tiny: TinyModels) -> AsyncIterator[RunningServer]:
+    """The target with prompt-lookup (n-gram) speculation and no draft model."""
+    config = tiny_engine_config(tiny, None, speculative_method="ngram")
+    async for running in serve(config):
+        yield running

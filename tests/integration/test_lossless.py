@@ -66,6 +66,17 @@ async def test_greedy_output_is_identical_with_and_without_speculation(
     assert 0 < accepted < drafted
 
 
+async def test_ngram_speculation_keeps_greedy_output(
+    ngram_server: RunningServer, plain_server: RunningServer
+) -> None:
+    greedy = SamplingOptions(max_tokens=48, temperature=0.0)
+    # A repetitive prompt gives prompt lookup something to propose.
+    prompt = "a b c d a b c d a b c d a b c d"
+    (with_ngram,), _ = await _run(ngram_server.engine, "ngram", prompt, greedy)
+    (without,), _ = await _run(plain_server.engine, "ngram-plain", prompt, greedy)
+    assert with_ngram == without
+
+
 def _binned_total_variation(a: Counter[int], b: Counter[int]) -> float:
     """Total variation over the TOP_TOKENS most frequent ids and one "other" bin."""
     top = [token for token, _ in (a + b).most_common(TOP_TOKENS)]

@@ -14,9 +14,15 @@ from server.engine.base import (
     EngineOutput,
     GenerationRequest,
     SpeculationInfo,
+    SpeculationStats,
     TokenLogprob,
 )
 from server.errors import APIError
+
+# What every scripted sequence reports on its last output.
+SCRIPTED_SPECULATION = SpeculationStats(
+    drafts=2, draft_tokens=6, accepted_tokens=4, accepted_per_position=[2, 1, 1]
+)
 
 
 class ScriptedEngine:
@@ -81,7 +87,10 @@ class ScriptedEngine:
                     if options.logprobs is not None:
                         alternatives = [(word, -0.5), ("other", -1.5)][: options.logprobs]
                         logprobs = [TokenLogprob(word, -0.5, alternatives)]
-                    choices.append(ChoiceDelta(index, text, [step + 1], logprobs, finish))
+                    speculation = SCRIPTED_SPECULATION if finish is not None else None
+                    choices.append(
+                        ChoiceDelta(index, text, [step + 1], logprobs, finish, speculation)
+                    )
                     if finish is not None:
                         finished_choices.add(index)
                 done = len(finished_choices) == options.n

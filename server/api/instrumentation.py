@@ -1,0 +1,46 @@
+"""ASGI middleware counting requests by endpoint and status, and those in flight.
+
+It wraps the whole response, streamed bodies included, so in-flight counts a
+stream until its last byte. Endpoint labels come from a fixed set; any other
+path is "other", so clients cannot grow the label set.
+"""
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.metrics import IN_FLIGHT, REQUESTS
+
+KNOWN_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+def endpoint_label(path: str) -> str:
+    if path in KNOWN_ENDPOINTS:
+        return path
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model}"
+    return "other"
+
+
+class RequestMetricsMiddleware:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        endpoint = endpoint_label(scope["path"])
+        status = "500"  # if the app fails before sending anything
+
+        async def send_with_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+            await send(message)
+
+        in_flight = IN_FLIGHT.labels(endpoint)
+        in_flight.inc()
+        try:
+            await self.app(scope, receive, send_with_status)
+        finally:
+            in_flight.dec()
+            REQUESTS.labels(endpoint, status).inc()

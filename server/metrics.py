@@ -1,0 +1,224 @@
+"""Every specserve Prometheus metric, defined in one place, and how requests feed them.
+
+Latency is measured where the user feels it: at the HTTP front end, per engine
+output. Labels are bounded: model (one per server), endpoint (a fixed set),
+tenant ("anonymous" until API keys exist), status code, draft position (< K).
+vLLM's own `vllm:*` metrics live in the same default registry and are exposed
+beside these on /metrics, as vLLM defines them.
+
+Derived figures, in PromQL:
+- acceptance rate:
+    sum(rate(specserve_spec_decode_accepted_tokens_total[5m]))
+    / sum(rate(specserve_spec_decode_draft_tokens_total[5m]))
+- mean acceptance length (tokens per verify step, bonus token included):
+    1 + sum(rate(specserve_spec_decode_accepted_tokens_total[5m]))
+        / sum(rate(specserve_spec_decode_drafts_total[5m]))
+- acceptance at draft position p:
+    sum by (position) (rate(specserve_spec_decode_accepted_tokens_per_position_total[5m]))
+    / ignoring(position) group_left sum(rate(specserve_spec_decode_drafts_total[5m]))
+- TPOT p95:
+    histogram_quantile(0.95, sum by (le) (rate(specserve_time_per_output_token_seconds_bucket[5m])))
+- output tokens/s: sum(rate(specserve_generation_tokens_total[1m]))
+"""
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from server.engine.base import EngineInfo, EngineOutput, SpeculationStats
+
+ANONYMOUS_TENANT = "anonymous"
+SPECULATION_WINDOW_SECONDS = 60.0
+
+# From 1 ms (GPU decode steps) to 2 minutes (a long CPU request).
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 120.0,
+)  # fmt: skip
+_RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+REQUESTS = Counter(
+    "specserve_requests_total", "HTTP requests by endpoint and status code",
+    ["endpoint", "status"],
+)  # fmt: skip
+IN_FLIGHT = Gauge("specserve_requests_in_flight", "HTTP requests being served", ["endpoint"])
+TTFT = Histogram(
+    "specserve_time_to_first_token_seconds", "Request arrival to first generated token",
+    ["model", "endpoint"], buckets=_LATENCY_BUCKETS,
+)  # fmt: skip
+ITL = Histogram(
+    "specserve_inter_token_latency_seconds",
+    "Gap between consecutive engine outputs carrying tokens (each streamed chunk)",
+    ["model", "endpoint"], buckets=_LATENCY_BUCKETS,
+)  # fmt: skip
+TPOT = Histogram(
+    "specserve_time_per_output_token_seconds",
+    "(end-to-end - TTFT) / (output tokens - 1), per request",
+    ["model", "endpoint"], buckets=_LATENCY_BUCKETS,
+)  # fmt: skip
+E2E = Histogram(
+    "specserve_e2e_request_latency_seconds", "Request arrival to last token",
+    ["model", "endpoint"], buckets=_LATENCY_BUCKETS,
+)  # fmt: skip
+PROMPT_TOKENS = Counter(
+    "specserve_prompt_tokens_total", "Prompt tokens processed", ["model", "endpoint", "tenant"]
+)
+GENERATION_TOKENS = Counter(
+    "specserve_generation_tokens_total", "Tokens generated", ["model", "endpoint", "tenant"]
+)
+SPEC_DRAFTS = Counter(
+    "specserve_spec_decode_drafts_total", "Verify steps that checked a draft",
+    ["model", "tenant"],
+)  # fmt: skip
+SPEC_DRAFT_TOKENS = Counter(
+    "specserve_spec_decode_draft_tokens_total", "Draft tokens proposed", ["model", "tenant"]
+)
+SPEC_ACCEPTED_TOKENS = Counter(
+    "specserve_spec_decode_accepted_tokens_total", "Draft tokens accepted", ["model", "tenant"]
+)
+SPEC_ACCEPTED_PER_POSITION = Counter(
+    "specserve_spec_decode_accepted_tokens_per_position_total",
+    "Draft tokens accepted at each draft position (0 = first proposed)",
+    ["model", "tenant", "position"],
+)  # fmt: skip
+REQUEST_ACCEPTANCE = Histogram(
+    "specserve_request_acceptance_rate",
+    "Per-request draft acceptance rate; the extremes flag garbled or looping output",
+    ["model"], buckets=_RATE_BUCKETS,
+)  # fmt: skip
+WINDOW_ACCEPTANCE_RATE = Gauge(
+    "specserve_spec_decode_acceptance_rate_window",
+    f"Accepted / draft tokens over the last {SPECULATION_WINDOW_SECONDS:.0f} s (NaN if none)",
+)
+WINDOW_ACCEPTANCE_LENGTH = Gauge(
+    "specserve_spec_decode_mean_acceptance_length_window",
+    f"1 + accepted tokens / drafts over the last {SPECULATION_WINDOW_SECONDS:.0f} s (NaN if none)",
+)
+
+
+SPECULATIVE_TOKENS = Gauge(
+    "specserve_speculative_tokens", "Configured draft tokens per step (K); 0 without speculation",
+    ["model"],
+)  # fmt: skip
+BASELINE_TPOT = Gauge(
+    "specserve_baseline_time_per_output_token_seconds",
+    "Measured no-speculation TPOT given with --baseline-tpot-seconds (absent if unknown)",
+    ["model"],
+)  # fmt: skip
+
+
+def describe_server(info: EngineInfo, baseline_tpot_seconds: float | None) -> None:
+    """Publish the configuration and create the speculation series at zero,
+    so rates over the first requests are complete."""
+    k = info.speculation.num_speculative_tokens if info.speculation else 0
+    SPECULATIVE_TOKENS.labels(info.model_name).set(k)
+    if baseline_tpot_seconds is not None:
+        BASELINE_TPOT.labels(info.model_name).set(baseline_tpot_seconds)
+    for counter in (SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED_TOKENS):
+        counter.labels(info.model_name, ANONYMOUS_TENANT)
+    for position in range(k):
+        SPEC_ACCEPTED_PER_POSITION.labels(info.model_name, ANONYMOUS_TENANT, str(position))
+
+
+class SpeculationWindow:
+    """Speculation totals of the requests that finished within the window."""
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._seconds = seconds
+        self._clock = clock
+        self._entries: deque[tuple[float, int, int, int]] = deque()
+        self._lock = threading.Lock()  # scrapes run in another thread
+
+    def add(self, stats: SpeculationStats) -> None:
+        with self._lock:
+            self._entries.append(
+                (self._clock(), stats.drafts, stats.draft_tokens, stats.accepted_tokens)
+            )
+
+    def _totals(self) -> tuple[int, int, int]:
+        with self._lock:
+            horizon = self._clock() - self._seconds
+            while self._entries and self._entries[0][0] < horizon:
+                self._entries.popleft()
+            drafts = sum(e[1] for e in self._entries)
+            draft_tokens = sum(e[2] for e in self._entries)
+            accepted = sum(e[3] for e in self._entries)
+        return drafts, draft_tokens, accepted
+
+    def acceptance_rate(self) -> float:
+        _, draft_tokens, accepted = self._totals()
+        return accepted / draft_tokens if draft_tokens else float("nan")
+
+    def mean_acceptance_length(self) -> float:
+        drafts, _, accepted = self._totals()
+        return 1.0 + accepted / drafts if drafts else float("nan")
+
+
+WINDOW = SpeculationWindow(SPECULATION_WINDOW_SECONDS)
+WINDOW_ACCEPTANCE_RATE.set_function(WINDOW.acceptance_rate)
+WINDOW_ACCEPTANCE_LENGTH.set_function(WINDOW.mean_acceptance_length)
+
+
+class RequestObserver:
+    """Timing, token counts and speculation of one request, fed per engine output.
+
+    The serving layer reads its totals back for usage and the per-request
+    speculation summary, so counts in responses and in metrics agree.
+    """
+
+    def __init__(self, model: str, endpoint: str, tenant: str = ANONYMOUS_TENANT) -> None:
+        self.model, self.endpoint, self.tenant = model, endpoint, tenant
+        self.start = time.perf_counter()
+        self._first: float | None = None
+        self._last: float | None = None
+        self._prompt_tokens: dict[int, int] = {}
+        self.output_tokens = 0
+        self.speculation: list[SpeculationStats] = []
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self._prompt_tokens.values())
+
+    def on_output(self, position: int, output: EngineOutput) -> None:
+        """Engine output of the request at `position` (one per prompt) arrived."""
+        self._prompt_tokens[position] = output.prompt_tokens
+        new_tokens = sum(len(choice.token_ids) for choice in output.choices)
+        self.speculation.extend(c.speculation for c in output.choices if c.speculation)
+        if not new_tokens:
+            return
+        self.output_tokens += new_tokens
+        now = time.perf_counter()
+        if self._first is None:
+            self._first = now
+            TTFT.labels(self.model, self.endpoint).observe(now - self.start)
+        elif self._last is not None:
+            ITL.labels(self.model, self.endpoint).observe(now - self._last)
+        self._last = now
+
+    def finish(self) -> None:
+        """The request completed: record totals, latency and speculation."""
+        labels = (self.model, self.endpoint, self.tenant)
+        PROMPT_TOKENS.labels(*labels).inc(self.prompt_tokens)
+        GENERATION_TOKENS.labels(*labels).inc(self.output_tokens)
+        end = self._last if self._last is not None else time.perf_counter()
+        E2E.labels(self.model, self.endpoint).observe(end - self.start)
+        if self._first is not None and self.output_tokens > 1:
+            TPOT.labels(self.model, self.endpoint).observe(
+                (end - self._first) / (self.output_tokens - 1)
+            )
+        for stats in self.speculation:
+            record_speculation(self.model, self.tenant, stats)
+
+
+def record_speculation(model: str, tenant: str, stats: SpeculationStats) -> None:
+    SPEC_DRAFTS.labels(model, tenant).inc(stats.drafts)
+    SPEC_DRAFT_TOKENS.labels(model, tenant).inc(stats.draft_tokens)
+    SPEC_ACCEPTED_TOKENS.labels(model, tenant).inc(stats.accepted_tokens)
+    for position, accepted in enumerate(stats.accepted_per_position):
+        SPEC_ACCEPTED_PER_POSITION.labels(model, tenant, str(position)).inc(accepted)
+    if stats.draft_tokens:
+        REQUEST_ACCEPTANCE.labels(model).observe(stats.accepted_tokens / stats.draft_tokens)
+    WINDOW.add(stats)

@@ -1,0 +1,144 @@
+"""specserve's metrics and per-request speculation stats, over the scripted engine."""
+
+import math
+
+import httpx
+import pytest
+from prometheus_client import REGISTRY
+
+from server.api.instrumentation import endpoint_label
+from server.engine.base import SpeculationStats
+from server.metrics import SpeculationWindow
+from tests.unit.scripted_engine import SCRIPTED_SPECULATION
+from tests.unit.sse import events
+
+
+def sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+SPEC = {"model": "scripted", "tenant": "anonymous"}
+LATENCY = {"model": "scripted", "endpoint": "/v1/completions"}
+
+
+async def test_a_request_updates_counts_latency_and_speculation(client: httpx.AsyncClient) -> None:
+    names = {
+        "ok": ("specserve_requests_total", {"endpoint": "/v1/completions", "status": "200"}),
+        "tokens": ("specserve_generation_tokens_total", {**LATENCY, "tenant": "anonymous"}),
+        "prompt": ("specserve_prompt_tokens_total", {**LATENCY, "tenant": "anonymous"}),
+        "ttft": ("specserve_time_to_first_token_seconds_count", LATENCY),
+        "itl": ("specserve_inter_token_latency_seconds_count", LATENCY),
+        "tpot": ("specserve_time_per_output_token_seconds_count", LATENCY),
+        "e2e": ("specserve_e2e_request_latency_seconds_count", LATENCY),
+        "drafts": ("specserve_spec_decode_drafts_total", SPEC),
+        "draft_tokens": ("specserve_spec_decode_draft_tokens_total", SPEC),
+        "accepted": ("specserve_spec_decode_accepted_tokens_total", SPEC),
+        "pos0": ("specserve_spec_decode_accepted_tokens_per_position_total",
+                 {**SPEC, "position": "0"}),
+        "per_request": ("specserve_request_acceptance_rate_count", {"model": "scripted"}),
+    }  # fmt: skip
+    before = {key: sample(name, **labels) for key, (name, labels) in names.items()}
+    response = await client.post(
+        "/v1/completions", json={"model": "scripted", "prompt": "a b", "max_tokens": 4, "n": 2}
+    )
+    assert response.status_code == 200
+    delta = {key: sample(name, **labels) - before[key] for key, (name, labels) in names.items()}
+    assert delta == {
+        "ok": 1, "tokens": 8, "prompt": 2, "ttft": 1, "itl": 3, "tpot": 1, "e2e": 1,
+        # Two sequences, each with the scripted stats.
+        "drafts": 4, "draft_tokens": 12, "accepted": 8, "pos0": 4, "per_request": 2,
+    }  # fmt: skip
+
+
+async def test_body_and_headers_carry_the_request_speculation(client: httpx.AsyncClient) -> None:
+    response = await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "scripted",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+        },
+    )
+    summary = response.json()["speculation"]
+    stats = SCRIPTED_SPECULATION
+    assert summary == {
+        "applied": True, "reason": None, "method": "draft_model", "num_speculative_tokens": 3,
+        "drafts": stats.drafts, "draft_tokens": stats.draft_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "accepted_per_position": stats.accepted_per_position,
+        "acceptance_rate": 4 / 6, "mean_acceptance_length": 1 + 4 / 2,
+    }  # fmt: skip
+    assert response.headers["x-specserve-speculation-applied"] == "true"
+    assert response.headers["x-specserve-draft-tokens"] == "6"
+    assert response.headers["x-specserve-accepted-tokens"] == "4"
+    assert response.headers["x-specserve-acceptance-rate"] == "0.6667"
+
+
+async def test_stream_usage_chunk_carries_the_speculation(client: httpx.AsyncClient) -> None:
+    response = await client.post(
+        "/v1/completions",
+        json={
+            "model": "scripted",
+            "prompt": "x",
+            "max_tokens": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    final = events(response.text)[-2]
+    assert final["usage"]["completion_tokens"] == 2
+    assert final["speculation"]["accepted_tokens"] == 4
+    assert all(chunk["speculation"] is None for chunk in events(response.text)[:-2])
+
+
+async def test_refused_requests_are_counted_by_status(client: httpx.AsyncClient) -> None:
+    labels = {"endpoint": "/v1/completions", "status": "400"}
+    before = sample("specserve_requests_total", **labels)
+    await client.post("/v1/completions", json={"model": "scripted", "prompt": "x", "n": 0})
+    assert sample("specserve_requests_total", **labels) == before + 1
+    assert sample("specserve_requests_in_flight", endpoint="/v1/completions") == 0
+
+
+async def test_metrics_endpoint_serves_prometheus_text(client: httpx.AsyncClient) -> None:
+    await client.get("/v1/models")
+    response = await client.get("/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    assert "specserve_requests_total{" in response.text
+    assert "specserve_spec_decode_acceptance_rate_window" in response.text
+
+
+@pytest.mark.parametrize(
+    ("path", "label"),
+    [
+        ("/v1/completions", "/v1/completions"),
+        ("/v1/models/x", "/v1/models/{model}"),
+        ("/random/123", "other"),
+        ("/v1/completions/extra", "other"),
+    ],
+)
+def test_endpoint_labels_are_bounded(path: str, label: str) -> None:
+    assert endpoint_label(path) == label
+
+
+def test_speculation_window_forgets_old_requests() -> None:
+    now = [100.0]
+    window = SpeculationWindow(60, clock=lambda: now[0])
+    assert math.isnan(window.acceptance_rate())
+    window.add(
+        SpeculationStats(
+            drafts=4, draft_tokens=12, accepted_tokens=12, accepted_per_position=[4, 4, 4]
+        )
+    )
+    now[0] = 130.0
+    window.add(
+        SpeculationStats(
+            drafts=4, draft_tokens=12, accepted_tokens=0, accepted_per_position=[0, 0, 0]
+        )
+    )
+    assert window.acceptance_rate() == 0.5
+    assert window.mean_acceptance_length() == 1 + 12 / 8
+    now[0] = 161.0
+    assert window.acceptance_rate() == 0.0
+    assert window.mean_acceptance_length() == 1.0
+    now[0] = 200.0
+    assert math.isnan(window.mean_acceptance_length())
