@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 ENGINE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 INSTALLED := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: install models serve test lint bench
+.PHONY: install models tools serve test lint bench
 
 install: $(INSTALLED)
 
@@ -25,6 +25,11 @@ $(INSTALLED): pyproject.toml
 models: install
 	$(BIN)/specserve models pull
 
+# Prometheus server and promtool for the monitoring tests (Debian package).
+tools:
+	command -v promtool >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+
 serve: models
 	$(BIN)/specserve serve
 
@@ -33,7 +38,7 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: models lint
+test: models tools lint
 	$(BIN)/pytest
 
 bench: models

@@ -2,7 +2,8 @@
 
 Starts `specserve serve` once without speculation and once per K, on the same
 model and flags, sends the same greedy code and prose chat prompts to each, and
-prints output tokens per second for each and the ratio to no speculation. With
+prints output tokens per second for each, the ratio to no speculation and the
+draft acceptance rate the responses reported. With
 --concurrency N it also sends N requests at once and reports the aggregate
 rate, which shows where speculation stops paying (pass a large
 --speculation-max-batch-size so the server keeps speculating at that batch).
@@ -37,6 +38,7 @@ class Result:
     startup_seconds: float
     peak_rss_gib: float
     rates: dict[tuple[str, int], float]  # (prompt, concurrency) -> output tokens/s
+    acceptance: dict[tuple[str, int], float]  # (prompt, concurrency) -> accepted / drafted
 
 
 def _tree_rss_bytes(pid: int) -> int:
@@ -57,7 +59,10 @@ def _tree_rss_bytes(pid: int) -> int:
     return total
 
 
-async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> int:
+async def _one(
+    client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int
+) -> tuple[int, int, int]:
+    """Output tokens, accepted and drafted tokens of one greedy chat request."""
     response = await client.post(
         "/v1/chat/completions",
         json={
@@ -68,24 +73,32 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: i
         },
     )
     response.raise_for_status()
-    return int(response.json()["usage"]["completion_tokens"])
+    body = response.json()
+    speculation = body["speculation"]
+    return (
+        body["usage"]["completion_tokens"],
+        speculation["accepted_tokens"],
+        speculation["draft_tokens"],
+    )
 
 
 async def _measure(
     port: int, max_tokens: int, concurrency: list[int]
-) -> dict[tuple[str, int], float]:
-    rates = {}
+) -> tuple[dict[tuple[str, int], float], dict[tuple[str, int], float]]:
+    rates, acceptance = {}, {}
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=3600) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         await _one(client, model, "Say hello.", 8)  # warm-up
         for n in concurrency:
             for name, prompt in PROMPTS.items():
                 start = time.perf_counter()
-                tokens = await asyncio.gather(
+                counts = await asyncio.gather(
                     *(_one(client, model, prompt, max_tokens) for _ in range(n))
                 )
-                rates[(name, n)] = sum(tokens) / (time.perf_counter() - start)
-    return rates
+                rates[(name, n)] = sum(c[0] for c in counts) / (time.perf_counter() - start)
+                drafted = sum(c[2] for c in counts)
+                acceptance[(name, n)] = sum(c[1] for c in counts) / drafted if drafted else 0.0
+    return rates, acceptance
 
 
 def _run(
@@ -121,7 +134,7 @@ def _run(
                 pass
             time.sleep(1)
         startup = time.perf_counter() - start
-        rates = asyncio.run(_measure(port, max_tokens, concurrency))
+        rates, acceptance = asyncio.run(_measure(port, max_tokens, concurrency))
         peak = max(peak, _tree_rss_bytes(server.pid))
     finally:
         server.send_signal(signal.SIGINT)
@@ -129,7 +142,9 @@ def _run(
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
-    return Result(label, startup, peak / 2**30, rates)
+        if log_file is not None:
+            log_file.close()
+    return Result(label, startup, peak / 2**30, rates, acceptance)
 
 
 def main() -> None:
@@ -150,7 +165,7 @@ def main() -> None:
         "--log-dir",
         type=Path,
         default=None,
-        help="keep each server's log here (vLLM logs acceptance rates)",
+        help="keep each server's log here",
     )
     parser.add_argument("serve_args", nargs="*", help="extra `specserve serve` flags (after --)")
     args = parser.parse_args()
@@ -165,13 +180,14 @@ def main() -> None:
     ]
     baseline, speculative = results[0], results[1:]
     header = f"{'prompt':<8}{'batch':>6}{'no-spec tok/s':>15}"
-    header += "".join(f"{r.label + ' tok/s':>13}{'ratio':>7}" for r in speculative)
+    header += "".join(f"{r.label + ' tok/s':>13}{'ratio':>7}{'accept':>8}" for r in speculative)
     print(f"\n{header}")
     for key, base_rate in baseline.rates.items():
         name, n = key
         row = f"{name:<8}{n:>6}{base_rate:>15.2f}"
         row += "".join(
-            f"{r.rates[key]:>13.2f}{r.rates[key] / base_rate:>7.2f}" for r in speculative
+            f"{r.rates[key]:>13.2f}{r.rates[key] / base_rate:>7.2f}{r.acceptance[key]:>8.2f}"
+            for r in speculative
         )
         print(row)
     for result in results:

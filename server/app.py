@@ -1,12 +1,11 @@
 """The application factory: routers, error mapping, engine lifecycle.
 
-`create_app(engine)` builds nothing at import time; the lifespan starts the
+`create_app(engine, baseline_tpot_seconds)` builds nothing at import time; the lifespan starts the
 engine before the first request and stops it on shutdown. Every error leaves
 in OpenAI's shape: our own `APIError`s, request validation (400, not
 FastAPI's 422), unknown routes and anything unexpected (500, logged).
 """
 
-import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -21,8 +20,6 @@ from server.api.instrumentation import RequestMetricsMiddleware
 from server.engine.base import Engine
 from server.errors import APIError, InternalError, InvalidRequestError, NotFoundError
 
-logger = logging.getLogger(__name__)
-
 
 def _error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.to_body(), status_code=error.status)
@@ -35,14 +32,15 @@ def _validation_error(exc: RequestValidationError) -> InvalidRequestError:
         # The first location item is "body"; the rest name the parameter.
         location = ".".join(str(part) for part in error.get("loc", ())[1:])
         param = param or location or None
+        message = str(error.get("msg")).removeprefix("Value error, ")
         if error.get("type") == "extra_forbidden":
             problems.append(f"unsupported parameter: {location}")
         elif error.get("type") == "json_invalid":
             problems.append("request body is not valid JSON")
         elif location:
-            problems.append(f"{location}: {error.get('msg')}")
+            problems.append(f"{location}: {message}")
         else:
-            problems.append(str(error.get("msg")))
+            problems.append(message)
     return InvalidRequestError("; ".join(problems) or "invalid request", param=param)
 
 
@@ -80,9 +78,9 @@ def create_app(engine: Engine, baseline_tpot_seconds: float | None = None) -> Fa
         error = InvalidRequestError(str(exc.detail))
         return JSONResponse(error.to_body(), status_code=exc.status_code)
 
+    # Starlette re-raises after this handler, so uvicorn logs the traceback.
     @app.exception_handler(Exception)
     async def unexpected_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error", exc_info=exc)
         return _error_response(InternalError("internal server error"))
 
     return app

@@ -25,6 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -46,21 +47,21 @@ REQUESTS = Counter(
 )  # fmt: skip
 IN_FLIGHT = Gauge("specserve_requests_in_flight", "HTTP requests being served", ["endpoint"])
 TTFT = Histogram(
-    "specserve_time_to_first_token_seconds", "Request arrival to first generated token",
+    "specserve_time_to_first_token_seconds", "Request accepted to first generated token",
     ["model", "endpoint"], buckets=_LATENCY_BUCKETS,
 )  # fmt: skip
 ITL = Histogram(
     "specserve_inter_token_latency_seconds",
-    "Gap between consecutive engine outputs carrying tokens (each streamed chunk)",
+    "Gap between consecutive outputs of one sequence (each streamed chunk)",
     ["model", "endpoint"], buckets=_LATENCY_BUCKETS,
 )  # fmt: skip
 TPOT = Histogram(
     "specserve_time_per_output_token_seconds",
-    "(end-to-end - TTFT) / (output tokens - 1), per request",
+    "(last token - first token) / (output tokens - 1), per sequence",
     ["model", "endpoint"], buckets=_LATENCY_BUCKETS,
 )  # fmt: skip
 E2E = Histogram(
-    "specserve_e2e_request_latency_seconds", "Request arrival to last token",
+    "specserve_e2e_request_latency_seconds", "Request accepted to last token",
     ["model", "endpoint"], buckets=_LATENCY_BUCKETS,
 )  # fmt: skip
 PROMPT_TOKENS = Counter(
@@ -86,7 +87,7 @@ SPEC_ACCEPTED_PER_POSITION = Counter(
 )  # fmt: skip
 REQUEST_ACCEPTANCE = Histogram(
     "specserve_request_acceptance_rate",
-    "Per-request draft acceptance rate; the extremes flag garbled or looping output",
+    "Draft acceptance rate of each sequence; the extremes flag garbled or looping output",
     ["model"], buckets=_RATE_BUCKETS,
 )  # fmt: skip
 WINDOW_ACCEPTANCE_RATE = Gauge(
@@ -162,18 +163,27 @@ WINDOW_ACCEPTANCE_RATE.set_function(WINDOW.acceptance_rate)
 WINDOW_ACCEPTANCE_LENGTH.set_function(WINDOW.mean_acceptance_length)
 
 
+@dataclass
+class _SequenceTiming:
+    first: float
+    last: float
+    tokens: int
+
+
 class RequestObserver:
     """Timing, token counts and speculation of one request, fed per engine output.
 
-    The serving layer reads its totals back for usage and the per-request
+    TTFT is per request (its first token of any sequence); inter-token gaps and
+    TPOT are per sequence (one per prompt and choice), as vLLM defines them.
+    The serving layer reads the totals back for usage and the per-request
     speculation summary, so counts in responses and in metrics agree.
     """
 
     def __init__(self, model: str, endpoint: str, tenant: str = ANONYMOUS_TENANT) -> None:
         self.model, self.endpoint, self.tenant = model, endpoint, tenant
+        # Starts once the request is parsed and validated.
         self.start = time.perf_counter()
-        self._first: float | None = None
-        self._last: float | None = None
+        self._sequences: dict[tuple[int, int], _SequenceTiming] = {}
         self._prompt_tokens: dict[int, int] = {}
         self.output_tokens = 0
         self.speculation: list[SpeculationStats] = []
@@ -184,33 +194,41 @@ class RequestObserver:
 
     def on_output(self, position: int, output: EngineOutput) -> None:
         """Engine output of the request at `position` (one per prompt) arrived."""
-        self._prompt_tokens[position] = output.prompt_tokens
-        new_tokens = sum(len(choice.token_ids) for choice in output.choices)
-        self.speculation.extend(c.speculation for c in output.choices if c.speculation)
-        if not new_tokens:
-            return
-        self.output_tokens += new_tokens
         now = time.perf_counter()
-        if self._first is None:
-            self._first = now
-            TTFT.labels(self.model, self.endpoint).observe(now - self.start)
-        elif self._last is not None:
-            ITL.labels(self.model, self.endpoint).observe(now - self._last)
-        self._last = now
+        self._prompt_tokens[position] = output.prompt_tokens
+        for choice in output.choices:
+            if choice.speculation is not None:
+                self.speculation.append(choice.speculation)
+            if not choice.token_ids:
+                continue
+            self.output_tokens += len(choice.token_ids)
+            key = (position, choice.index)
+            timing = self._sequences.get(key)
+            if timing is None:
+                if not self._sequences:
+                    TTFT.labels(self.model, self.endpoint).observe(now - self.start)
+                self._sequences[key] = _SequenceTiming(now, now, len(choice.token_ids))
+                continue
+            ITL.labels(self.model, self.endpoint).observe(now - timing.last)
+            timing.last = now
+            timing.tokens += len(choice.token_ids)
 
-    def finish(self) -> None:
-        """The request completed: record totals, latency and speculation."""
+    def finish(self, completed: bool) -> None:
+        """The request ended. Tokens and speculation always count; latency only
+        for requests that completed, so aborted ones do not skew it."""
         labels = (self.model, self.endpoint, self.tenant)
         PROMPT_TOKENS.labels(*labels).inc(self.prompt_tokens)
         GENERATION_TOKENS.labels(*labels).inc(self.output_tokens)
-        end = self._last if self._last is not None else time.perf_counter()
-        E2E.labels(self.model, self.endpoint).observe(end - self.start)
-        if self._first is not None and self.output_tokens > 1:
-            TPOT.labels(self.model, self.endpoint).observe(
-                (end - self._first) / (self.output_tokens - 1)
-            )
         for stats in self.speculation:
             record_speculation(self.model, self.tenant, stats)
+        if not completed:
+            return
+        E2E.labels(self.model, self.endpoint).observe(time.perf_counter() - self.start)
+        for timing in self._sequences.values():
+            if timing.tokens > 1:
+                TPOT.labels(self.model, self.endpoint).observe(
+                    (timing.last - timing.first) / (timing.tokens - 1)
+                )
 
 
 def record_speculation(model: str, tenant: str, stats: SpeculationStats) -> None:

@@ -1,7 +1,9 @@
 """Route POST /v1/chat/completions."""
 
+import asyncio
+
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response
 
 from server.api.deps import EngineDep
 from server.api.responses import event_stream, json_unless_disconnected
@@ -14,8 +16,9 @@ router = APIRouter()
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, engine: EngineDep
-) -> JSONResponse | StreamingResponse:
-    prepared = chat.prepare(engine, body)
+) -> Response:
+    # Rendering and tokenizing must not stall other streams on the event loop.
+    prepared = await asyncio.to_thread(chat.prepare, engine, body)
     if body.stream:
         return event_stream(chat.stream(engine, prepared))
     return await json_unless_disconnected(request, chat.complete(engine, prepared))

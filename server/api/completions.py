@@ -1,7 +1,9 @@
 """Route POST /v1/completions."""
 
+import asyncio
+
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response
 
 from server.api.deps import EngineDep
 from server.api.responses import event_stream, json_unless_disconnected
@@ -14,8 +16,9 @@ router = APIRouter()
 @router.post("/v1/completions", response_model=CompletionResponse)
 async def create_completion(
     body: CompletionRequest, request: Request, engine: EngineDep
-) -> JSONResponse | StreamingResponse:
-    prepared = completions.prepare(engine, body)
+) -> Response:
+    # Tokenizing a long prompt must not stall other streams on the event loop.
+    prepared = await asyncio.to_thread(completions.prepare, engine, body)
     if body.stream:
         return event_stream(completions.stream(engine, prepared))
     return await json_unless_disconnected(request, completions.complete(engine, prepared))

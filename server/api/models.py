@@ -1,26 +1,12 @@
 """Routes GET /v1/models and GET /v1/models/{model}."""
 
-from typing import Literal
-
 from fastapi import APIRouter
-from pydantic import BaseModel
 
 from server.api.deps import EngineDep
+from server.protocol.models import ModelCard, ModelList
 from server.serving.common import check_model
 
 router = APIRouter()
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "specserve"
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
 
 
 @router.get("/v1/models", response_model=ModelList)

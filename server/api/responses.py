@@ -1,13 +1,18 @@
-"""How a prepared request becomes an HTTP response: JSON or an SSE stream."""
+"""How a prepared request becomes an HTTP response: JSON or an SSE stream,
+and what happens when the client leaves first."""
 
-from collections.abc import AsyncIterator, Awaitable
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from server.protocol.chat import ChatCompletionResponse
 from server.protocol.completions import CompletionResponse
-from server.serving.common import sse_stream, until_disconnected
+from server.serving.common import sse_stream
+
+T = TypeVar("T")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -20,11 +25,36 @@ def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
     )
 
 
+# nginx's "client closed request": nobody reads it, but logs and metrics do.
+CLIENT_CLOSED_REQUEST = 499
+
+
 async def json_unless_disconnected(
     request: Request, work: Awaitable[CompletionResponse | ChatCompletionResponse]
-) -> JSONResponse:
+) -> Response:
     response = await until_disconnected(request.is_disconnected, work)
+    if response is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONResponse(response.model_dump(mode="json"), headers=speculation_headers(response))
+
+
+async def until_disconnected(
+    is_disconnected: Callable[[], Awaitable[bool]], work: Awaitable[T], poll_seconds: float = 0.5
+) -> T | None:
+    """Await `work`; if the client hangs up first, cancel it (which aborts its
+    engine requests) and return None."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_seconds)
+            if done:
+                return task.result()
+            if await is_disconnected():
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 def speculation_headers(response: CompletionResponse | ChatCompletionResponse) -> dict[str, str]:

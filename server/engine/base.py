@@ -6,7 +6,7 @@ of per-step deltas, abort and health. The vLLM adapter implements it; unit
 tests use a scripted double. Nothing here imports vllm or torch.
 """
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -73,13 +73,11 @@ class ChoiceDelta:
 class EngineOutput:
     prompt_tokens: int
     choices: list[ChoiceDelta]
-    finished: bool
 
 
 @dataclass(frozen=True)
 class SpeculationInfo:
     method: str
-    draft_model: str | None
     num_speculative_tokens: int
     max_batch_size: int
 
@@ -104,9 +102,11 @@ class Engine(Protocol):
 
     def render_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[EngineOutput]: ...
+    def validate(self, request: GenerationRequest) -> None:
+        """Raise InvalidRequestError for parameters the engine would refuse."""
 
-    async def abort(self, request_id: str) -> None: ...
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
+        """Per-step deltas; closing the iterator early aborts the request."""
 
     async def check_health(self) -> bool: ...
 

@@ -7,7 +7,7 @@ with one clear message instead of an engine traceback.
 
 from pathlib import Path
 
-from server.config import ConfigError, Settings
+from server.config import Settings
 from server.engine.compat import check_draft_compatible, check_max_model_len
 from server.engine.vllm_engine import EngineConfig
 from server.models import embedded
@@ -18,26 +18,22 @@ def _is_local(model: str) -> bool:
 
 
 def resolve(settings: Settings) -> EngineConfig:
+    method: str | None = None if settings.no_speculation else settings.speculative_method
+    draft = settings.draft_model if method == "draft_model" else None
     if settings.uses_embedded_pair:
         target = str(embedded.pull(settings.cache_dir, embedded.TARGET))
-        draft = settings.draft_model
-        if draft is None and settings.speculative_method == "draft_model":
+        if draft is None and method == "draft_model":
             draft = str(embedded.pull(settings.cache_dir, embedded.DRAFT))
     else:
         assert settings.model is not None
-        target, draft = settings.model, settings.draft_model
+        target = settings.model
     target = str(Path(target).expanduser()) if _is_local(target) else target
-    method: str | None = None if settings.no_speculation else settings.speculative_method
-    if method != "draft_model":
-        draft = None
     if draft is not None and _is_local(draft):
         draft = str(Path(draft).expanduser())
         if _is_local(target):
             check_draft_compatible(target, draft)
     if _is_local(target):
         check_max_model_len(target, settings.max_model_len)
-    elif settings.model is None:
-        raise ConfigError(f"embedded model folder {target} is missing")
     return EngineConfig(
         model=target,
         served_model_name=settings.served_model_name or Path(target).name,

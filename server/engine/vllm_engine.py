@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -20,11 +20,12 @@ from server.engine.base import (
     EngineInfo,
     EngineOutput,
     GenerationRequest,
+    SamplingOptions,
     SpeculationInfo,
     SpeculationStats,
     TokenLogprob,
 )
-from server.errors import EngineUnavailableError, InvalidRequestError
+from server.errors import EngineUnavailableError, InternalError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,6 @@ class VllmEngine:
         if config.speculative_method is not None:
             speculation = SpeculationInfo(
                 method=config.speculative_method,
-                draft_model=config.draft_model,
                 num_speculative_tokens=config.num_speculative_tokens,
                 max_batch_size=config.speculation_max_batch_size,
             )
@@ -181,17 +181,16 @@ class VllmEngine:
         if self._llm is not None:
             await self._llm.abort(request_id)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineOutput]:
-        from vllm.exceptions import VLLMClientError
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
-        from vllm.v1.engine.exceptions import EngineDeadError
+    def validate(self, request: GenerationRequest) -> None:
+        """Refuse what vLLM would refuse, before any response is sent."""
+        self._sampling_params(request.sampling)
 
-        if self._llm is None:
-            raise EngineUnavailableError("the engine is not running")
-        options = request.sampling
+    def _sampling_params(self, options: SamplingOptions) -> Any:
+        from vllm.exceptions import VLLMClientError
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
         try:
-            params = SamplingParams(
+            return SamplingParams(
                 n=options.n,
                 temperature=options.temperature,
                 top_p=options.top_p,
@@ -205,22 +204,36 @@ class VllmEngine:
             )
         except (ValueError, VLLMClientError) as exc:
             raise InvalidRequestError(str(exc)) from exc
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+        if self._llm is None:
+            raise EngineUnavailableError("the engine is not running")
+        params = self._sampling_params(request.sampling)
+        prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
+        stream = self._llm.generate(prompt, params, request.request_id)
         finished = False
-        stream = self._llm.generate(
-            TokensPrompt(prompt_token_ids=request.prompt_token_ids), params, request.request_id
-        )
         try:
-            async for output in stream:
+            while not finished:
+                # Only vLLM's own failures are mapped here; ours stay bugs (500).
+                try:
+                    output = await anext(stream)
+                except StopAsyncIteration:
+                    return
+                except EngineDeadError as exc:
+                    raise EngineUnavailableError("the engine stopped; request lost") from exc
+                except VLLMClientError as exc:
+                    raise InvalidRequestError(str(exc)) from exc
+                except EngineGenerateError as exc:
+                    raise InternalError(f"generation failed for {request.request_id}") from exc
                 finished = output.finished
                 yield EngineOutput(
                     prompt_tokens=len(output.prompt_token_ids or request.prompt_token_ids),
-                    choices=[self._choice(c, options.logprobs) for c in output.outputs],
-                    finished=output.finished,
+                    choices=[self._choice(c, request.sampling.logprobs) for c in output.outputs],
                 )
-        except EngineDeadError as exc:
-            raise EngineUnavailableError("the engine stopped; the request was lost") from exc
-        except (ValueError, VLLMClientError) as exc:
-            raise InvalidRequestError(str(exc)) from exc
         finally:
             # A consumer that stops early (client gone, error downstream) must
             # not leave the sequence running in the engine.
@@ -234,7 +247,7 @@ class VllmEngine:
             text=completion.text,
             token_ids=list(completion.token_ids),
             logprobs=None if top_count is None else self._logprobs(completion, top_count),
-            finish_reason=completion.finish_reason,
+            finish_reason=_finish_reason(completion.finish_reason),
             speculation=_speculation_stats(completion.spec_decode_metrics),
         )
 
@@ -259,6 +272,17 @@ class VllmEngine:
         if decoded is not None:
             return decoded
         return str(self._tokenizer.decode([token_id]))
+
+
+def _finish_reason(reason: str | None) -> str | None:
+    """vLLM's reasons in OpenAI's vocabulary; its failures become errors."""
+    if reason == "error":
+        raise InternalError("the engine failed this request; retry it")
+    if reason == "abort":
+        raise EngineUnavailableError("the engine aborted this request; retry it")
+    if reason == "repetition":
+        return "stop"
+    return reason
 
 
 def _speculation_stats(metrics: Any) -> SpeculationStats | None:

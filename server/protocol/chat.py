@@ -22,7 +22,6 @@ class ChatMessage(StrictRequest):
     # "developer" is OpenAI's newer name for the system role.
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
-    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str):

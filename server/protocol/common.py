@@ -4,15 +4,26 @@ Requests forbid unknown fields: a parameter specserve cannot honour is a 400
 that names it, never silently ignored.
 """
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Largest request fan-out and logprob alternatives we accept.
 MAX_N = 16
 MAX_LOGPROBS = 20
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 
 
 class StrictRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # OpenAI accepts `"temperature": null` and friends as "use the default".
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
 
 
 class StreamOptions(StrictRequest):
@@ -26,13 +37,20 @@ class SamplingFields(StrictRequest):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = Field(None)
-    seed: int | None = None
+    stop: str | list[str] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
+    # The engine carries seeds as signed 64-bit integers.
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "SamplingFields":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:

@@ -4,9 +4,11 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from server.protocol.common import MAX_LOGPROBS, SamplingFields, SpeculationSummary, Usage
+from server.protocol.common import MAX_LOGPROBS, MAX_N, SamplingFields, SpeculationSummary, Usage
 
 Prompt = str | list[str] | list[int] | list[list[int]]
+# Sequences one completion request may start (prompts times n).
+MAX_SEQUENCES = 4 * MAX_N
 
 
 class CompletionRequest(SamplingFields):
@@ -29,6 +31,8 @@ class CompletionRequest(SamplingFields):
             raise ValueError("echo together with logprobs is not supported")
         if isinstance(self.prompt, list) and len(self.prompt) == 0:
             raise ValueError("prompt must not be empty")
+        if len(self.prompts()) * self.n > MAX_SEQUENCES:
+            raise ValueError(f"prompts times n must be at most {MAX_SEQUENCES}")
         return self
 
     def prompts(self) -> list[str | list[int]]:

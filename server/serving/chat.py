@@ -27,6 +27,7 @@ from server.serving.common import (
     speculation_summary,
     sse,
     usage,
+    validate_all,
 )
 
 ENDPOINT = "/v1/chat/completions"
@@ -47,7 +48,7 @@ def prepare(engine: Engine, body: ChatCompletionRequest) -> PreparedChat:
     messages = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
     token_ids = engine.render_chat(messages)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    max_tokens = resolve_max_tokens(engine, len(token_ids), body.token_limit(), param)
+    max_tokens = resolve_max_tokens(engine, len(token_ids), body.token_limit(), "messages", param)
     sampling = SamplingOptions(
         max_tokens=max_tokens,
         temperature=body.temperature,
@@ -61,6 +62,7 @@ def prepare(engine: Engine, body: ChatCompletionRequest) -> PreparedChat:
     )
     chat_id = new_id("chatcmpl")
     request = GenerationRequest(chat_id, token_ids, sampling)
+    validate_all(engine, [request])
     return PreparedChat(chat_id, now(), model, body, request, RequestObserver(model, ENDPOINT))
 
 
@@ -132,7 +134,9 @@ async def stream(engine: Engine, prepared: PreparedChat) -> AsyncIterator[str]:
     observer = prepared.observer
     async for _, output in generate_all(engine, [prepared.request], observer):
         for delta in output.choices:
-            if delta.text or delta.finish_reason is not None:
+            # Tokens may carry no text yet (a partial character, a held-back
+            # stop-string prefix) but still carry logprobs.
+            if delta.token_ids or delta.finish_reason is not None:
                 yield chunk(
                     [
                         ChatChunkChoice(

@@ -9,8 +9,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 
 from pydantic import BaseModel
 
@@ -21,8 +21,6 @@ from server.protocol.common import SpeculationSummary, Usage
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -30,6 +28,11 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+def validate_all(engine: Engine, requests: list[GenerationRequest]) -> None:
+    for request in requests:
+        engine.validate(request)
 
 
 def check_model(engine: Engine, requested: str) -> str:
@@ -43,7 +46,7 @@ def check_model(engine: Engine, requested: str) -> str:
 
 
 def resolve_max_tokens(
-    engine: Engine, prompt_tokens: int, requested: int | None, param: str
+    engine: Engine, prompt_tokens: int, requested: int | None, prompt_param: str, param: str
 ) -> int:
     """Tokens to generate: the request's limit, or what fits in the context."""
     limit = engine.info().max_model_len
@@ -51,7 +54,7 @@ def resolve_max_tokens(
         raise ContextLengthExceededError(
             f"This model's maximum context length is {limit} tokens, but the prompt has "
             f"{prompt_tokens} tokens; shorten the prompt",
-            param="messages" if param == "max_completion_tokens" else "prompt",
+            param=prompt_param,
         )
     if requested is None:
         return limit - prompt_tokens
@@ -70,30 +73,37 @@ async def generate_all(
 ) -> AsyncIterator[tuple[int, EngineOutput]]:
     """Run the engine requests of one API request; yield (request position, output).
 
-    Every output passes through `observer` first, which is finished once all
-    requests completed. Leaving early (client gone, error) cancels every
-    producer, and each producer's engine stream aborts its own request.
+    Every output passes through `observer` first, which is finished however
+    the request ends. Leaving early (client gone, error) closes every engine
+    stream at once, and each aborts its own request.
     """
-    async for position, output in _merged(engine, requests):
-        observer.on_output(position, output)
-        yield position, output
-    observer.finish()
+    completed = False
+    try:
+        async with aclosing(_merged(engine, requests)) as outputs:
+            async for position, output in outputs:
+                observer.on_output(position, output)
+                yield position, output
+        completed = True
+    finally:
+        observer.finish(completed)
 
 
 async def _merged(
     engine: Engine, requests: list[GenerationRequest]
-) -> AsyncIterator[tuple[int, EngineOutput]]:
+) -> AsyncGenerator[tuple[int, EngineOutput], None]:
     if len(requests) == 1:
-        async for output in engine.generate(requests[0]):
-            yield 0, output
+        async with aclosing(engine.generate(requests[0])) as outputs:
+            async for output in outputs:
+                yield 0, output
         return
-    queue: asyncio.Queue[tuple[int, EngineOutput | BaseException | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, EngineOutput | Exception | None]] = asyncio.Queue()
 
     async def produce(position: int, request: GenerationRequest) -> None:
         try:
-            async for output in engine.generate(request):
-                await queue.put((position, output))
-        except BaseException as exc:  # handed to the consumer, which re-raises
+            async with aclosing(engine.generate(request)) as outputs:
+                async for output in outputs:
+                    await queue.put((position, output))
+        except Exception as exc:  # handed to the consumer, which re-raises
             await queue.put((position, exc))
             return
         await queue.put((position, None))
@@ -105,7 +115,7 @@ async def _merged(
             position, item = await queue.get()
             if item is None:
                 remaining -= 1
-            elif isinstance(item, BaseException):
+            elif isinstance(item, Exception):
                 raise item
             else:
                 yield position, item
@@ -176,23 +186,3 @@ async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
         logger.exception("stream failed")
         yield InternalError("internal error while streaming").sse_event()
     yield SSE_DONE
-
-
-async def until_disconnected(
-    is_disconnected: Callable[[], Awaitable[bool]], work: Awaitable[T], poll_seconds: float = 0.5
-) -> T:
-    """Await `work`, cancelling it (and so aborting its engine requests) if the
-    client hangs up first."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_seconds)
-            if done:
-                return task.result()
-            if await is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                raise asyncio.CancelledError("client disconnected")
-    finally:
-        if not task.done():
-            task.cancel()

@@ -27,6 +27,7 @@ from server.serving.common import (
     speculation_summary,
     sse,
     usage,
+    validate_all,
 )
 
 ENDPOINT = "/v1/completions"
@@ -52,7 +53,9 @@ def prepare(engine: Engine, body: CompletionRequest) -> PreparedCompletion:
     for position, prompt in enumerate(body.prompts()):
         token_ids = engine.tokenize(prompt) if isinstance(prompt, str) else prompt
         _check_token_ids(token_ids, engine.info().vocab_size)
-        max_tokens = resolve_max_tokens(engine, len(token_ids), body.max_tokens, "max_tokens")
+        max_tokens = resolve_max_tokens(
+            engine, len(token_ids), body.max_tokens, "prompt", "max_tokens"
+        )
         sampling = SamplingOptions(
             max_tokens=max_tokens,
             temperature=body.temperature,
@@ -67,6 +70,7 @@ def prepare(engine: Engine, body: CompletionRequest) -> PreparedCompletion:
         requests.append(GenerationRequest(f"{completion_id}-{position}", token_ids, sampling))
         if body.echo:
             echo_texts.append(prompt if isinstance(prompt, str) else engine.decode(prompt))
+    validate_all(engine, requests)
     observer = RequestObserver(model, ENDPOINT)
     return PreparedCompletion(completion_id, now(), model, body, requests, echo_texts, observer)
 
@@ -177,7 +181,9 @@ async def stream(engine: Engine, prepared: PreparedCompletion) -> AsyncIterator[
     async for position, output in generate_all(engine, prepared.requests, observer):
         for delta in output.choices:
             fragment = choices.add(position, delta)
-            if fragment.text or fragment.finish_reason is not None:
+            # Tokens may carry no text yet (a partial character, a held-back
+            # stop-string prefix) but still carry logprobs.
+            if fragment.text or delta.token_ids or fragment.finish_reason is not None:
                 yield chunk([fragment])
     if prepared.body.include_usage_in_stream():
         yield chunk([], usage=usage(observer), speculation=speculation_summary(engine, observer))

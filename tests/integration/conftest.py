@@ -113,3 +113,11 @@ async def ngram_server(tiny: TinyModels) -> AsyncIterator[RunningServer]:
     config = tiny_engine_config(tiny, None, speculative_method="ngram")
     async for running in serve(config):
         yield running
+
+
+@pytest.fixture(scope="session")
+async def self_draft_server(tiny: TinyModels) -> AsyncIterator[RunningServer]:
+    """The target drafting for itself: every draft token is accepted."""
+    config = tiny_engine_config(tiny, tiny.target, served_model_name="tiny-self")
+    async for running in serve(config):
+        yield running

@@ -6,7 +6,7 @@ The integration tests run the same routes on the real vLLM engine.
 """
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from server.engine.base import (
     ChoiceDelta,
@@ -17,7 +17,7 @@ from server.engine.base import (
     SpeculationStats,
     TokenLogprob,
 )
-from server.errors import APIError
+from server.errors import APIError, InvalidRequestError
 
 # What every scripted sequence reports on its last output.
 SCRIPTED_SPECULATION = SpeculationStats(
@@ -47,7 +47,7 @@ class ScriptedEngine:
             max_model_len=self.max_model_len,
             vocab_size=1000,
             created=1_700_000_000,
-            speculation=SpeculationInfo("draft_model", "draft", 3, 1),
+            speculation=SpeculationInfo("draft_model", 3, 1),
         )
 
     def tokenize(self, text: str) -> list[int]:
@@ -59,11 +59,18 @@ class ScriptedEngine:
     def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return self.tokenize(" ".join(f"{m['role']}: {m['content']}" for m in messages))
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineOutput]:
+    def validate(self, request: GenerationRequest) -> None:
+        # vLLM refuses several greedy samples of one prompt.
+        if request.sampling.n > 1 and request.sampling.temperature == 0:
+            raise InvalidRequestError("n must be 1 when using greedy sampling")
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
+        self.validate(request)
         self.requests.append(request)
         options = request.sampling
         texts = {i: "" for i in range(options.n)}
         finished_choices: set[int] = set()
+        done = False
         try:
             for step, word in enumerate(self.script):
                 if self.fail_after is not None and step == self.fail_after:
@@ -94,15 +101,13 @@ class ScriptedEngine:
                     if finish is not None:
                         finished_choices.add(index)
                 done = len(finished_choices) == options.n
-                yield EngineOutput(len(request.prompt_token_ids), choices, done)
+                yield EngineOutput(len(request.prompt_token_ids), choices)
                 if done:
                     return
-        except asyncio.CancelledError:
-            self.aborted.append(request.request_id)
-            raise
-
-    async def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
+        finally:
+            # Like the vLLM adapter: a consumer leaving early aborts the request.
+            if not done:
+                self.aborted.append(request.request_id)
 
     async def check_health(self) -> bool:
         return self.healthy

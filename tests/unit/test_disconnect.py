@@ -2,7 +2,8 @@
 
 import asyncio
 
-from server.serving.common import until_disconnected
+from server.api.responses import until_disconnected
+from server.engine.base import GenerationRequest, SamplingOptions
 from tests.unit.scripted_engine import ScriptedEngine
 
 
@@ -14,17 +15,20 @@ async def test_non_streaming_work_is_cancelled_when_the_client_leaves() -> None:
         return gone.is_set()
 
     async def work() -> None:
-        from server.engine.base import GenerationRequest, SamplingOptions
-
         request = GenerationRequest("req-1", [1], SamplingOptions(max_tokens=100))
         async for _ in engine.generate(request):
             pass
 
     asyncio.get_running_loop().call_later(0.1, gone.set)
-    try:
-        await until_disconnected(is_disconnected, work(), poll_seconds=0.02)
-    except asyncio.CancelledError:
-        pass
-    else:
-        raise AssertionError("work should have been cancelled")
+    assert await until_disconnected(is_disconnected, work(), poll_seconds=0.02) is None
     assert engine.aborted == ["req-1"]
+
+
+async def test_work_that_finishes_first_returns_its_result() -> None:
+    async def is_disconnected() -> bool:
+        return False
+
+    async def work() -> str:
+        return "done"
+
+    assert await until_disconnected(is_disconnected, work(), poll_seconds=0.02) == "done"

@@ -148,3 +148,77 @@ async def test_error_before_streaming_is_a_plain_status(client: httpx.AsyncClien
         "/v1/completions", json={"model": "nope", "prompt": "x", "stream": True}
     )
     assert_error(response, 404, "model_not_found")
+
+
+async def test_engine_refusal_is_a_400_before_any_stream_starts(
+    client: httpx.AsyncClient,
+) -> None:
+    for path, extra in (
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": USER}),
+    ):
+        response = await client.post(
+            path, json={"model": "scripted", "n": 2, "temperature": 0, "stream": True, **extra}
+        )
+        assert "greedy" in assert_error(response, 400)["message"]
+
+
+async def test_out_of_range_seed_is_400(client: httpx.AsyncClient) -> None:
+    response = await client.post(
+        "/v1/completions", json={"model": "scripted", "prompt": "x", "seed": 2**64}
+    )
+    assert assert_error(response, 400)["param"] == "seed"
+
+
+async def test_null_means_the_default(client: httpx.AsyncClient, engine: ScriptedEngine) -> None:
+    response = await client.post(
+        "/v1/completions",
+        json={
+            "model": "scripted",
+            "prompt": "x",
+            "temperature": None,
+            "top_p": None,
+            "n": None,
+            "stop": None,
+            "max_tokens": None,
+        },
+    )
+    assert response.status_code == 200, response.text
+    assert engine.requests[0].sampling.temperature == 1.0
+    assert engine.requests[0].sampling.max_tokens == 16
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"stream_options": {"include_usage": True}}, None),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"prompt": ["p"] * 20, "n": 4}, None),
+    ],
+)
+async def test_request_limits_are_400(
+    client: httpx.AsyncClient, extra: dict, param: str | None
+) -> None:
+    response = await client.post(
+        "/v1/completions", json={"model": "scripted", "prompt": "x", **extra}
+    )
+    error = assert_error(response, 400)
+    assert "Value error" not in error["message"]
+    if param is not None:
+        assert error["param"].startswith(param)
+
+
+async def test_chat_message_name_is_refused_not_ignored(client: httpx.AsyncClient) -> None:
+    response = await client.post(
+        "/v1/chat/completions",
+        json={"model": "scripted", "messages": [{"role": "user", "content": "x", "name": "a"}]},
+    )
+    assert "name" in assert_error(response, 400)["message"]
+
+
+async def test_chat_prompt_over_the_context_names_messages(client: httpx.AsyncClient) -> None:
+    messages = [{"role": "user", "content": " ".join(["w"] * 80)}]
+    response = await client.post(
+        "/v1/chat/completions", json={"model": "scripted", "messages": messages}
+    )
+    assert assert_error(response, 400, "context_length_exceeded")["param"] == "messages"

@@ -43,9 +43,10 @@ async def test_a_request_updates_counts_latency_and_speculation(client: httpx.As
     )
     assert response.status_code == 200
     delta = {key: sample(name, **labels) - before[key] for key, (name, labels) in names.items()}
+    # n=2: one TTFT and e2e for the request; per sequence, 3 gaps, one TPOT
+    # and the scripted speculation stats.
     assert delta == {
-        "ok": 1, "tokens": 8, "prompt": 2, "ttft": 1, "itl": 3, "tpot": 1, "e2e": 1,
-        # Two sequences, each with the scripted stats.
+        "ok": 1, "tokens": 8, "prompt": 2, "ttft": 1, "itl": 6, "tpot": 2, "e2e": 1,
         "drafts": 4, "draft_tokens": 12, "accepted": 8, "pos0": 4, "per_request": 2,
     }  # fmt: skip
 
