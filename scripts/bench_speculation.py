@@ -144,7 +144,9 @@ def _run(
             server.kill()
         if log_file is not None:
             log_file.close()
-    return Result(label, startup, peak / 2**30, rates, acceptance)
+    result = Result(label, startup, peak / 2**30, rates, acceptance)
+    print(f"[{label}] {result}", flush=True)
+    return result
 
 
 def main() -> None:

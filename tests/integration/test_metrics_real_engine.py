@@ -66,7 +66,7 @@ async def test_other_draft_is_accepted_less_and_counters_match_the_body(
 ) -> None:
     before = counters("tiny")
     response = await complete(
-        spec_server, prompt=["The weather", "import os"], max_tokens=40, temperature=0, n=2
+        spec_server, prompt=["The weather", "import os"], max_tokens=40, temperature=0
     )
     summary = response.json()["speculation"]
     delta = {key: value - before[key] for key, value in counters("tiny").items()}
@@ -95,8 +95,9 @@ async def test_metrics_endpoint_exposes_vllm_and_specserve(spec_server: RunningS
     await complete(spec_server, prompt="x", max_tokens=8, temperature=0)
     async with httpx.AsyncClient(base_url=spec_server.base_url) as http:
         text = (await http.get("/metrics")).text
+    # vLLM keeps one engine's `vllm:*` series per process (the latest engine's,
+    # here); the e2e test checks its speculation series on a real server.
     for name in (
-        "vllm:spec_decode_num_draft_tokens_total",
         "vllm:time_to_first_token_seconds",
         "specserve_spec_decode_accepted_tokens_total",
         "specserve_time_per_output_token_seconds_bucket",

@@ -86,10 +86,12 @@ async def prometheus(spec_server: RunningServer, tmp_path: Path) -> AsyncIterato
 
 
 async def _query(http: httpx.AsyncClient, expr: str) -> dict[str, float]:
-    """Instant query; {position label or "": value}."""
+    """Instant query; {position label or "": value}, one series per key."""
     body = (await http.get("/api/v1/query", params={"query": expr})).json()
     assert body["status"] == "success", body
-    return {r["metric"].get("position", ""): float(r["value"][1]) for r in body["data"]["result"]}
+    values = {r["metric"].get("position", ""): float(r["value"][1]) for r in body["data"]["result"]}
+    assert len(values) == len(body["data"]["result"]), body
+    return values
 
 
 async def _wait_for(http: httpx.AsyncClient, expr: str, expected: dict[str, float]) -> None:
@@ -127,23 +129,25 @@ async def test_recording_rules_reproduce_the_responses(
                     for a, b in zip(per_position, summary["accepted_per_position"], strict=True)
                 ]
         # The whole run sits inside the rules' one-minute window, so the ratio
-        # of rates is the ratio of what the responses reported.
+        # of rates is the ratio of what the responses reported. Other test
+        # servers in this process export other models: select ours.
+        tiny = '{model="tiny"}'
         await _wait_for(
             prom,
-            "specserve:spec_decode_acceptance_rate:rate1m",
+            f"specserve:spec_decode_acceptance_rate:rate1m{tiny}",
             {"": totals["accepted_tokens"] / totals["draft_tokens"]},
         )
         await _wait_for(
             prom,
-            "specserve:spec_decode_mean_acceptance_length:rate1m",
+            f"specserve:spec_decode_mean_acceptance_length:rate1m{tiny}",
             {"": 1 + totals["accepted_tokens"] / totals["drafts"]},
         )
         await _wait_for(
             prom,
-            "specserve:spec_decode_position_acceptance_rate:rate1m",
+            f"specserve:spec_decode_position_acceptance_rate:rate1m{tiny}",
             {str(p): n / totals["drafts"] for p, n in enumerate(per_position)},
         )
-        ttft = await _query(prom, "specserve:time_to_first_token_seconds:p95")
-        assert ttft and ttft[""] > 0
-        tokens = await _query(prom, "specserve:generation_tokens:rate1m")
-        assert tokens and tokens[""] > 0
+        ttft = await _query(prom, f"specserve:time_to_first_token_seconds:p95{tiny}")
+        assert ttft[""] > 0
+        tokens = await _query(prom, f"specserve:generation_tokens:rate1m{tiny}")
+        assert tokens[""] > 0
