@@ -13,10 +13,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "specserve" / "models"
 
-# Measured on the embedded pair on a 2-core CPU (README "Choosing K and the
-# batch cut-off"): K=3 keeps most of the code speed-up of K=4 without losing
-# on prose, and speculation stops paying once two requests share a step.
-DEFAULT_NUM_SPECULATIVE_TOKENS = 3
+# Measured on the embedded pair on a 2-core CPU (README "Benchmarks"): K=2
+# has the best draft acceptance (0.95 on code) and the best batch-1 speed of
+# K=1..3, and at a batch of 2 every K is slower than no speculation
+# (0.59-0.81x), so speculation runs only while one request is decoding.
+DEFAULT_NUM_SPECULATIVE_TOKENS = 2
 DEFAULT_SPECULATION_MAX_BATCH_SIZE = 1
 
 

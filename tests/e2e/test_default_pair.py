@@ -71,6 +71,9 @@ def test_chat_writes_python_and_streaming_agrees(client: openai.OpenAI) -> None:
     )
     text = plain.choices[0].message.content or ""
     assert "def " in text
+    speculation = (plain.model_extra or {})["speculation"]
+    assert speculation["applied"] is True
+    assert 0 < speculation["accepted_tokens"] <= speculation["draft_tokens"]
     stream = client.chat.completions.create(
         model="qwen2.5-coder-1.5b-instruct",
         messages=MESSAGES,
@@ -80,3 +83,23 @@ def test_chat_writes_python_and_streaming_agrees(client: openai.OpenAI) -> None:
     )
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert streamed == text
+
+
+def test_metrics_show_the_speculation(base_url: str, client: openai.OpenAI) -> None:
+    client.completions.create(
+        model="qwen2.5-coder-1.5b-instruct", prompt="def fib(n):", max_tokens=16, temperature=0
+    )
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    samples = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+    def total(prefix: str) -> float:
+        return sum(value for name, value in samples.items() if name.startswith(prefix))
+
+    assert total("vllm:spec_decode_num_draft_tokens_total") > 0
+    assert total("specserve_spec_decode_draft_tokens_total") > 0
+    accepted = total("specserve_spec_decode_accepted_tokens_total")
+    assert 0 < accepted <= total("specserve_spec_decode_draft_tokens_total")
