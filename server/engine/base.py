@@ -1,9 +1,11 @@
 """The narrow engine contract the HTTP layer depends on.
 
 Everything the serving code needs from an inference engine is here: token
-counts and chat rendering (so limits are checked before generation), a stream
-of per-step deltas, abort and health. The vLLM adapter implements it; unit
-tests use a scripted double. Nothing here imports vllm or torch.
+counts and chat rendering (so limits are checked before generation), up-front
+validation of sampling parameters (so refusals come before a stream starts),
+a stream of per-step deltas whose early close aborts the request, and health.
+The vLLM adapter implements it; unit tests use a scripted double. Nothing
+here imports vllm or torch.
 """
 
 from collections.abc import AsyncGenerator
