@@ -47,7 +47,7 @@ REQUESTS = Counter(
 )  # fmt: skip
 IN_FLIGHT = Gauge("specserve_requests_in_flight", "HTTP requests being served", ["endpoint"])
 TTFT = Histogram(
-    "specserve_time_to_first_token_seconds", "Request accepted to first generated token",
+    "specserve_time_to_first_token_seconds", "Request arrival to first generated token",
     ["model", "endpoint"], buckets=_LATENCY_BUCKETS,
 )  # fmt: skip
 ITL = Histogram(
@@ -61,7 +61,7 @@ TPOT = Histogram(
     ["model", "endpoint"], buckets=_LATENCY_BUCKETS,
 )  # fmt: skip
 E2E = Histogram(
-    "specserve_e2e_request_latency_seconds", "Request accepted to last token",
+    "specserve_e2e_request_latency_seconds", "Request arrival to last token",
     ["model", "endpoint"], buckets=_LATENCY_BUCKETS,
 )  # fmt: skip
 PROMPT_TOKENS = Counter(
@@ -179,10 +179,11 @@ class RequestObserver:
     speculation summary, so counts in responses and in metrics agree.
     """
 
-    def __init__(self, model: str, endpoint: str, tenant: str = ANONYMOUS_TENANT) -> None:
+    def __init__(
+        self, model: str, endpoint: str, arrival: float, tenant: str = ANONYMOUS_TENANT
+    ) -> None:
         self.model, self.endpoint, self.tenant = model, endpoint, tenant
-        # Starts once the request is parsed and validated.
-        self.start = time.perf_counter()
+        self.start = arrival  # time.perf_counter() when the request arrived
         self._sequences: dict[tuple[int, int], _SequenceTiming] = {}
         self._prompt_tokens: dict[int, int] = {}
         self.output_tokens = 0

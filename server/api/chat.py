@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from server.api.deps import EngineDep
+from server.api.instrumentation import arrival
 from server.api.responses import event_stream, json_unless_disconnected
 from server.protocol.chat import ChatCompletionRequest, ChatCompletionResponse
 from server.serving import chat
@@ -18,7 +19,7 @@ async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, engine: EngineDep
 ) -> Response:
     # Rendering and tokenizing must not stall other streams on the event loop.
-    prepared = await asyncio.to_thread(chat.prepare, engine, body)
+    prepared = await asyncio.to_thread(chat.prepare, engine, body, arrival(request))
     if body.stream:
         return event_stream(chat.stream(engine, prepared))
     return await json_unless_disconnected(request, chat.complete(engine, prepared))

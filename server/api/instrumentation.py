@@ -1,14 +1,19 @@
-"""ASGI middleware counting requests by endpoint and status, and those in flight.
+"""ASGI middleware counting requests by endpoint and status, and those in flight,
+and stamping each request's arrival time for the latency metrics.
 
 It wraps the whole response, streamed bodies included, so in-flight counts a
 stream until its last byte. Endpoint labels come from a fixed set; any other
 path is "other", so clients cannot grow the label set.
 """
 
+import time
+
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.metrics import IN_FLIGHT, REQUESTS
 
+ARRIVAL = "specserve_arrival"
 KNOWN_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
@@ -28,6 +33,8 @@ class RequestMetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        # Before the body is read and parsed: TTFT and e2e count from here.
+        scope.setdefault("state", {})[ARRIVAL] = time.perf_counter()
         endpoint = endpoint_label(scope["path"])
         status = "500"  # if the app fails before sending anything
 
@@ -44,3 +51,8 @@ class RequestMetricsMiddleware:
         finally:
             in_flight.dec()
             REQUESTS.labels(endpoint, status).inc()
+
+
+def arrival(request: Request) -> float:
+    """`time.perf_counter()` when the middleware first saw the request."""
+    return float(getattr(request.state, ARRIVAL))

@@ -43,7 +43,7 @@ class PreparedChat:
     observer: RequestObserver
 
 
-def prepare(engine: Engine, body: ChatCompletionRequest) -> PreparedChat:
+def prepare(engine: Engine, body: ChatCompletionRequest, arrival: float) -> PreparedChat:
     model = check_model(engine, body.model)
     messages = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
     token_ids = engine.render_chat(messages)
@@ -63,7 +63,9 @@ def prepare(engine: Engine, body: ChatCompletionRequest) -> PreparedChat:
     chat_id = new_id("chatcmpl")
     request = GenerationRequest(chat_id, token_ids, sampling)
     validate_all(engine, [request])
-    return PreparedChat(chat_id, now(), model, body, request, RequestObserver(model, ENDPOINT))
+    return PreparedChat(
+        chat_id, now(), model, body, request, RequestObserver(model, ENDPOINT, arrival)
+    )
 
 
 def _logprobs(entries: list[TokenLogprob] | None) -> ChoiceLogprobs | None:

@@ -46,7 +46,7 @@ class PreparedCompletion:
     observer: RequestObserver
 
 
-def prepare(engine: Engine, body: CompletionRequest) -> PreparedCompletion:
+def prepare(engine: Engine, body: CompletionRequest, arrival: float) -> PreparedCompletion:
     model = check_model(engine, body.model)
     completion_id = new_id("cmpl")
     requests, echo_texts = [], []
@@ -71,7 +71,7 @@ def prepare(engine: Engine, body: CompletionRequest) -> PreparedCompletion:
         if body.echo:
             echo_texts.append(prompt if isinstance(prompt, str) else engine.decode(prompt))
     validate_all(engine, requests)
-    observer = RequestObserver(model, ENDPOINT)
+    observer = RequestObserver(model, ENDPOINT, arrival)
     return PreparedCompletion(completion_id, now(), model, body, requests, echo_texts, observer)
 
 
