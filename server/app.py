@@ -1,6 +1,6 @@
 """The application factory: routers, error mapping, engine lifecycle.
 
-`create_app(engine, baseline_tpot_seconds)` builds nothing at import time; the lifespan starts the
+`create_app(engine, ...)` builds nothing at import time; the lifespan starts the
 engine before the first request and stops it on shutdown. Every error leaves
 in OpenAI's shape: our own `APIError`s, request validation (400, not
 FastAPI's 422), unknown routes and anything unexpected (500, logged).
@@ -16,13 +16,11 @@ from starlette.exceptions import HTTPException
 
 from server import metrics as server_metrics
 from server.api import chat, completions, health, metrics, models
+from server.api.auth import ApiKeyMiddleware
 from server.api.instrumentation import RequestMetricsMiddleware
+from server.auth import KeyRing
 from server.engine.base import Engine
 from server.errors import APIError, InternalError, InvalidRequestError, NotFoundError
-
-
-def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.to_body(), status_code=error.status)
 
 
 def _validation_error(exc: RequestValidationError) -> InvalidRequestError:
@@ -44,9 +42,19 @@ def _validation_error(exc: RequestValidationError) -> InvalidRequestError:
     return InvalidRequestError("; ".join(problems) or "invalid request", param=param)
 
 
-def create_app(engine: Engine, baseline_tpot_seconds: float | None = None) -> FastAPI:
-    """The ASGI app over `engine`; `baseline_tpot_seconds` is the measured
-    no-speculation time per output token, exported for the slower-than-baseline alert."""
+def create_app(
+    engine: Engine,
+    *,
+    baseline_tpot_seconds: float | None = None,
+    api_keys: KeyRing | None = None,
+    metrics_need_key: bool = False,
+) -> FastAPI:
+    """The ASGI app over `engine`.
+
+    `baseline_tpot_seconds` is the measured no-speculation time per output
+    token, exported for the slower-than-baseline alert; `api_keys` None means
+    open access.
+    """
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -59,28 +67,30 @@ def create_app(engine: Engine, baseline_tpot_seconds: float | None = None) -> Fa
 
     app = FastAPI(title="specserve", lifespan=lifespan)
     app.state.engine = engine
+    # The last added runs first: requests refused for their key are counted too.
+    app.add_middleware(ApiKeyMiddleware, keys=api_keys, metrics_need_key=metrics_need_key)
     app.add_middleware(RequestMetricsMiddleware)
     for module in (completions, chat, models, health, metrics):
         app.include_router(module.router)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return _error_response(exc)
+        return exc.to_response()
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(_validation_error(exc))
+        return _validation_error(exc).to_response()
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
         if exc.status_code == 404:
-            return _error_response(NotFoundError(str(exc.detail)))
+            return NotFoundError(str(exc.detail)).to_response()
         error = InvalidRequestError(str(exc.detail))
         return JSONResponse(error.to_body(), status_code=exc.status_code)
 
     # Starlette re-raises after this handler, so uvicorn logs the traceback.
     @app.exception_handler(Exception)
     async def unexpected_error(_: Request, exc: Exception) -> JSONResponse:
-        return _error_response(InternalError("internal server error"))
+        return InternalError("internal server error").to_response()
 
     return app

@@ -35,6 +35,8 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--kv-cache-gib", {"type": int}),
     ("--max-num-seqs", {"type": int}),
     ("--baseline-tpot-seconds", {"type": float}),
+    ("--api-key-file", {}),
+    ("--metrics-need-key", {"action": "store_true"}),
 ]
 
 
@@ -66,9 +68,17 @@ def _serve(settings: Settings) -> None:
     import uvicorn
 
     from server.app import create_app
+    from server.auth import load_key_ring
     from server.engine.resolve import resolve
     from server.engine.vllm_engine import VllmEngine
 
+    # A bad key file fails before minutes of model pulling and loading.
+    keys = None
+    if settings.api_key_file is None:
+        logger.warning("no --api-key-file: the API is open to anyone who can reach it")
+    else:
+        keys = load_key_ring(settings.api_key_file)
+        logger.info("API keys loaded for %d tenants", len(keys.tenants))
     engine_config = resolve(settings)
     logger.info(
         "serving %s (draft %s, method %s, K=%d)",
@@ -77,7 +87,12 @@ def _serve(settings: Settings) -> None:
         engine_config.speculative_method,
         engine_config.num_speculative_tokens,
     )
-    app = create_app(VllmEngine(engine_config), settings.baseline_tpot_seconds)
+    app = create_app(
+        VllmEngine(engine_config),
+        baseline_tpot_seconds=settings.baseline_tpot_seconds,
+        api_keys=keys,
+        metrics_need_key=settings.metrics_need_key,
+    )
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
 
 

@@ -70,6 +70,14 @@ class Settings(BaseSettings):
     )
     kv_cache_gib: int = Field(2, ge=1, description="KV cache size in GiB (CPU).")
     max_num_seqs: int = Field(16, ge=1, description="Most requests in one engine step.")
+    api_key_file: Path | None = Field(
+        None,
+        description='JSON file of API keys and their tenants: {"keys": [{"key": "...", '
+        '"tenant": "..."}]}. Unset: open access.',
+    )
+    metrics_need_key: bool = Field(
+        False, description="Require an API key on /metrics too (it is open by default)."
+    )
     baseline_tpot_seconds: float | None = Field(
         None,
         gt=0,
@@ -92,6 +100,8 @@ class Settings(BaseSettings):
                 and not Path(value).expanduser().is_dir()
             ):
                 raise ValueError(f"{name}: folder {value!r} does not exist")
+        if self.api_key_file is not None and not self.api_key_file.is_file():
+            raise ValueError(f"api_key_file {self.api_key_file} does not exist")
         if self.draft_model is not None and self.speculative_method == "ngram":
             raise ValueError("draft_model is set but speculative_method is ngram; choose one")
         if (

@@ -8,6 +8,8 @@ responses and `sse_event()` once headers are sent and a stream is under way.
 import json
 from typing import Any
 
+from starlette.responses import JSONResponse
+
 
 class APIError(Exception):
     """Base of every client-visible error."""
@@ -33,6 +35,9 @@ class APIError(Exception):
             }
         }
 
+    def to_response(self) -> JSONResponse:
+        return JSONResponse(self.to_body(), status_code=self.status)
+
     def sse_event(self) -> str:
         return f"data: {json.dumps(self.to_body())}\n\n"
 
@@ -40,6 +45,12 @@ class APIError(Exception):
 class InvalidRequestError(APIError):
     status = 400
     type = "invalid_request_error"
+
+
+class AuthenticationError(APIError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
 
 
 class ContextLengthExceededError(InvalidRequestError):

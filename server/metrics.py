@@ -179,9 +179,7 @@ class RequestObserver:
     speculation summary, so counts in responses and in metrics agree.
     """
 
-    def __init__(
-        self, model: str, endpoint: str, arrival: float, tenant: str = ANONYMOUS_TENANT
-    ) -> None:
+    def __init__(self, model: str, endpoint: str, arrival: float, tenant: str) -> None:
         self.model, self.endpoint, self.tenant = model, endpoint, tenant
         self.start = arrival  # time.perf_counter() when the request arrived
         self._sequences: dict[tuple[int, int], _SequenceTiming] = {}

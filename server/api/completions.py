@@ -5,6 +5,7 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from server.api.auth import tenant
 from server.api.deps import EngineDep
 from server.api.instrumentation import arrival
 from server.api.responses import event_stream, json_unless_disconnected
@@ -19,7 +20,9 @@ async def create_completion(
     body: CompletionRequest, request: Request, engine: EngineDep
 ) -> Response:
     # Tokenizing a long prompt must not stall other streams on the event loop.
-    prepared = await asyncio.to_thread(completions.prepare, engine, body, arrival(request))
+    prepared = await asyncio.to_thread(
+        completions.prepare, engine, body, arrival(request), tenant(request)
+    )
     if body.stream:
         return event_stream(completions.stream(engine, prepared))
     return await json_unless_disconnected(request, completions.complete(engine, prepared))

@@ -43,7 +43,9 @@ class PreparedChat:
     observer: RequestObserver
 
 
-def prepare(engine: Engine, body: ChatCompletionRequest, arrival: float) -> PreparedChat:
+def prepare(
+    engine: Engine, body: ChatCompletionRequest, arrival: float, tenant: str
+) -> PreparedChat:
     model = check_model(engine, body.model)
     messages = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
     token_ids = engine.render_chat(messages)
@@ -63,9 +65,8 @@ def prepare(engine: Engine, body: ChatCompletionRequest, arrival: float) -> Prep
     chat_id = new_id("chatcmpl")
     request = GenerationRequest(chat_id, token_ids, sampling)
     validate_all(engine, [request])
-    return PreparedChat(
-        chat_id, now(), model, body, request, RequestObserver(model, ENDPOINT, arrival)
-    )
+    observer = RequestObserver(model, ENDPOINT, arrival, tenant)
+    return PreparedChat(chat_id, now(), model, body, request, observer)
 
 
 def _logprobs(entries: list[TokenLogprob] | None) -> ChoiceLogprobs | None:

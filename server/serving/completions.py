@@ -46,7 +46,9 @@ class PreparedCompletion:
     observer: RequestObserver
 
 
-def prepare(engine: Engine, body: CompletionRequest, arrival: float) -> PreparedCompletion:
+def prepare(
+    engine: Engine, body: CompletionRequest, arrival: float, tenant: str
+) -> PreparedCompletion:
     model = check_model(engine, body.model)
     completion_id = new_id("cmpl")
     requests, echo_texts = [], []
@@ -71,7 +73,7 @@ def prepare(engine: Engine, body: CompletionRequest, arrival: float) -> Prepared
         if body.echo:
             echo_texts.append(prompt if isinstance(prompt, str) else engine.decode(prompt))
     validate_all(engine, requests)
-    observer = RequestObserver(model, ENDPOINT, arrival)
+    observer = RequestObserver(model, ENDPOINT, arrival, tenant)
     return PreparedCompletion(completion_id, now(), model, body, requests, echo_texts, observer)
 
 
