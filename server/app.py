@@ -17,8 +17,11 @@ from starlette.exceptions import HTTPException
 from server import metrics as server_metrics
 from server.api import chat, completions, health, metrics, models
 from server.api.auth import ApiKeyMiddleware
+from server.api.body_limit import BodySizeLimitMiddleware
 from server.api.instrumentation import RequestMetricsMiddleware
+from server.api.request_id import RequestIdMiddleware
 from server.auth import KeyRing
+from server.config import DEFAULT_MAX_BODY_BYTES
 from server.engine.base import Engine
 from server.errors import APIError, InternalError, InvalidRequestError, NotFoundError
 
@@ -48,6 +51,7 @@ def create_app(
     baseline_tpot_seconds: float | None = None,
     api_keys: KeyRing | None = None,
     metrics_need_key: bool = False,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """The ASGI app over `engine`.
 
@@ -67,9 +71,12 @@ def create_app(
 
     app = FastAPI(title="specserve", lifespan=lifespan)
     app.state.engine = engine
-    # The last added runs first: requests refused for their key are counted too.
+    # The last added runs first: every refusal below is counted and carries
+    # the request id.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
     app.add_middleware(ApiKeyMiddleware, keys=api_keys, metrics_need_key=metrics_need_key)
     app.add_middleware(RequestMetricsMiddleware)
+    app.add_middleware(RequestIdMiddleware)
     for module in (completions, chat, models, health, metrics):
         app.include_router(module.router)
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from server.api.request_id import RequestIdLogFilter
 from server.config import ConfigError, Settings
 from server.models.embedded import ModelPullError
 
@@ -37,6 +38,7 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--baseline-tpot-seconds", {"type": float}),
     ("--api-key-file", {}),
     ("--metrics-need-key", {"action": "store_true"}),
+    ("--max-body-bytes", {"type": int}),
 ]
 
 
@@ -92,8 +94,11 @@ def _serve(settings: Settings) -> None:
         baseline_tpot_seconds=settings.baseline_tpot_seconds,
         api_keys=keys,
         metrics_need_key=settings.metrics_need_key,
+        max_body_bytes=settings.max_body_bytes,
     )
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    # log_config=None: uvicorn's loggers (access log included) go through the
+    # root handler above, so every line carries the request id.
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", log_config=None)
 
 
 def _models(settings: Settings, command: str) -> None:
@@ -109,8 +114,11 @@ def _models(settings: Settings, command: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s [%(request_id)s] %(name)s: %(message)s",
     )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RequestIdLogFilter())
     args = vars(_parser().parse_args(argv))
     command = args.pop("command")
     models_command = args.pop("models_command", None)

@@ -19,6 +19,8 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "specserve" / "models"
 # (0.59-0.81x), so speculation runs only while one request is decoding.
 DEFAULT_NUM_SPECULATIVE_TOKENS = 2
 DEFAULT_SPECULATION_MAX_BATCH_SIZE = 1
+# Far above a full 32k-token prompt as JSON; bounds what one client can make us buffer.
+DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 
 class Settings(BaseSettings):
@@ -74,6 +76,9 @@ class Settings(BaseSettings):
         None,
         description='JSON file of API keys and their tenants: {"keys": [{"key": "...", '
         '"tenant": "..."}]}. Unset: open access.',
+    )
+    max_body_bytes: int = Field(
+        DEFAULT_MAX_BODY_BYTES, ge=1024, description="Largest request body accepted (413 above)."
     )
     metrics_need_key: bool = Field(
         False, description="Require an API key on /metrics too (it is open by default)."

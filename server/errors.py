@@ -53,6 +53,12 @@ class AuthenticationError(APIError):
     code = "invalid_api_key"
 
 
+class PayloadTooLargeError(APIError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
 class ContextLengthExceededError(InvalidRequestError):
     code = "context_length_exceeded"
 

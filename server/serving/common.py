@@ -86,6 +86,13 @@ async def generate_all(
         completed = True
     finally:
         observer.finish(completed)
+        logger.info(
+            "%s %s: %d prompt and %d output tokens",
+            observer.endpoint,
+            "finished" if completed else "stopped early",
+            observer.prompt_tokens,
+            observer.output_tokens,
+        )
 
 
 async def _merged(
