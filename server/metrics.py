@@ -182,6 +182,9 @@ class RequestObserver:
     def __init__(self, model: str, endpoint: str, arrival: float, tenant: str) -> None:
         self.model, self.endpoint, self.tenant = model, endpoint, tenant
         self.start = arrival  # time.perf_counter() when the request arrived
+        # Resolved once: `labels()` is a locked dict lookup, and ITL is
+        # observed on every engine output.
+        self._itl = ITL.labels(model, endpoint)
         self._sequences: dict[tuple[int, int], _SequenceTiming] = {}
         self._prompt_tokens: dict[int, int] = {}
         self.output_tokens = 0
@@ -208,7 +211,7 @@ class RequestObserver:
                     TTFT.labels(self.model, self.endpoint).observe(now - self.start)
                 self._sequences[key] = _SequenceTiming(now, now, len(choice.token_ids))
                 continue
-            ITL.labels(self.model, self.endpoint).observe(now - timing.last)
+            self._itl.observe(now - timing.last)
             timing.last = now
             timing.tokens += len(choice.token_ids)
 
@@ -223,11 +226,10 @@ class RequestObserver:
         if not completed:
             return
         E2E.labels(self.model, self.endpoint).observe(time.perf_counter() - self.start)
+        tpot = TPOT.labels(self.model, self.endpoint)
         for timing in self._sequences.values():
             if timing.tokens > 1:
-                TPOT.labels(self.model, self.endpoint).observe(
-                    (timing.last - timing.first) / (timing.tokens - 1)
-                )
+                tpot.observe((timing.last - timing.first) / (timing.tokens - 1))
 
 
 def record_speculation(model: str, tenant: str, stats: SpeculationStats) -> None:

@@ -157,6 +157,23 @@ async def test_errors_reach_the_client_typed(spec_server: RunningServer) -> None
 LONG = 2000
 
 
+async def test_engine_refusals_come_before_the_stream(spec_server: RunningServer) -> None:
+    """vLLM refuses several greedy samples; the client must get a 400, not a 200
+    followed by an error event."""
+    body = {
+        "model": "tiny",
+        "prompt": "x",
+        "max_tokens": 4,
+        "n": 2,
+        "temperature": 0,
+        "stream": True,
+    }
+    async with httpx.AsyncClient(base_url=spec_server.base_url, timeout=60) as http:
+        response = await http.post("/v1/completions", json=body)
+    assert response.status_code == 400
+    assert "greedy" in response.json()["error"]["message"]
+
+
 def _watch_aborts(server: RunningServer) -> list[str]:
     """Record the ids the adapter aborts, still calling the real abort."""
     aborted: list[str] = []
