@@ -1,0 +1,91 @@
+"""Side-by-side ratios and the speculation schedule a sweep suggests.
+
+A sweep decides per load level whether speculation paid: the speculative
+server's output token throughput over the baseline's, above 1 + margin. Under
+a fixed concurrency c the engine runs batches of about c, so the decisions
+become vLLM's `num_speculative_tokens_per_batch_size`: [[min_batch,
+max_batch, K], ...] with K=0 meaning no speculation. A batch size between two
+measured levels takes the decision of the next level up (an unmeasured size
+is treated like the larger neighbour), the largest measured level's decision
+holds up to `max_batch`, and neighbouring ranges with the same K merge.
+"""
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+# (label, path in the summary) of each figure compared; latencies in ms.
+ROWS: list[tuple[str, tuple[str, ...]]] = [
+    ("completed", ("completed",)),
+    ("failed", ("failed",)),
+    ("request throughput (req/s)", ("request_throughput",)),
+    ("output throughput (tok/s)", ("output_throughput",)),
+    ("goodput (req/s)", ("request_goodput",)),
+    *[
+        (f"{name.upper()} {stat} (ms)", (f"{name}_ms", stat))
+        for name in ("ttft", "tpot", "itl", "e2el")
+        for stat in ("mean", "p50", "p90", "p99")
+    ],
+]
+SPEC_ROWS = [
+    ("acceptance rate", "acceptance_rate"),
+    ("mean acceptance length", "mean_acceptance_length"),
+]
+
+
+def lookup(data: dict[str, Any], path: Sequence[str]) -> float | None:
+    value: Any = data
+    for key in path:
+        if not isinstance(value, dict) or key not in value:
+            return None
+        value = value[key]
+    return float(value) if isinstance(value, int | float) else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0 or math.isnan(a) or math.isnan(b):
+        return None
+    return a / b
+
+
+def ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
+    """A / B for every compared figure of two summaries."""
+    return {label: ratio(lookup(a, path), lookup(b, path)) for label, path in ROWS}
+
+
+def speedup(a: dict[str, Any], b: dict[str, Any]) -> float | None:
+    """How much faster A produced output than B (output tokens/s ratio)."""
+    return ratio(lookup(a, ("output_throughput",)), lookup(b, ("output_throughput",)))
+
+
+def schedule(
+    levels: Sequence[int], speedups: Sequence[float | None], k: int, margin: float, max_batch: int
+) -> list[list[int]]:
+    """[[min_batch, max_batch, K], ...] from measured speedups per concurrency level."""
+    if k < 1:
+        raise ValueError("K must be at least 1 to suggest where to speculate")
+    pairs = sorted(zip(levels, speedups, strict=True))
+    table: list[list[int]] = []
+    low = 1
+    for index, (level, gain) in enumerate(pairs):
+        high = max_batch if index == len(pairs) - 1 else level
+        if high < low:
+            continue
+        # An unmeasured (failed) level counts as not paying: off when unsure.
+        use = k if gain is not None and gain > 1 + margin else 0
+        if table and table[-1][2] == use:
+            table[-1][1] = high
+        else:
+            table.append([low, high, use])
+        low = high + 1
+    return table
+
+
+def stops_paying(
+    levels: Sequence[float], speedups: Sequence[float | None], margin: float
+) -> float | None:
+    """The lowest level at which speculation no longer paid (None: it paid at all)."""
+    for level, gain in sorted(zip(levels, speedups, strict=True)):
+        if gain is None or gain <= 1 + margin:
+            return level
+    return None

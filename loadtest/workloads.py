@@ -1,0 +1,212 @@
+"""Bundled workloads and the user's own prompts (JSONL).
+
+Each bundled workload has a character that decides how much speculation can
+help: code completion and structured output repeat what the prompt already
+holds (drafts are accepted often), prose is open-ended (accepted rarely).
+
+JSONL: one object per line, either {"prompt": "..."} for /v1/completions or
+{"messages": [...]} for /v1/chat/completions, optionally "max_tokens" and "id".
+"""
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    id: str
+    endpoint: Literal["completions", "chat"]
+    prompt: str | None = None
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content)
+    max_tokens: int | None = None
+
+    def payload(
+        self, model: str, max_tokens: int, temperature: float, stream: bool
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": model,
+            "max_tokens": self.max_tokens or max_tokens,
+            "temperature": temperature,
+        }
+        if self.endpoint == "completions":
+            body["prompt"] = self.prompt
+        else:
+            body["messages"] = [{"role": r, "content": c} for r, c in self.messages or ()]
+        if stream:
+            body["stream"] = True
+            # The usage chunk carries the exact output token count (and specserve's
+            # per-request speculation summary).
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    @property
+    def path(self) -> str:
+        return "/v1/completions" if self.endpoint == "completions" else "/v1/chat/completions"
+
+
+def _chat(name: str, prompts: list[str]) -> list[WorkItem]:
+    return [WorkItem(f"{name}-{i}", "chat", messages=(("user", p),)) for i, p in enumerate(prompts)]
+
+
+CODE_COMPLETION = [
+    WorkItem(f"code-completion-{i}", "completions", prompt=p)
+    for i, p in enumerate(
+        [
+            'def parse_csv(path: str) -> list[dict[str, str]]:\n    """Read a CSV file with '
+            'a header row into a list of dicts."""\n',
+            "class LRUCache:\n    def __init__(self, capacity: int) -> None:\n"
+            "        self.capacity = capacity\n",
+            'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n',
+            "import json\n\n\ndef load_config(path):\n    with open(path) as f:\n",
+            "function debounce(fn, ms) {\n  let timer;\n  return function (...args) {\n",
+            'def is_palindrome(s: str) -> bool:\n    """True if s reads the same both ways, '
+            'ignoring case and non-letters."""\n',
+            "SELECT customers.name, COUNT(orders.id) AS order_count\nFROM customers\n",
+            "def binary_search(items: list[int], target: int) -> int:\n    low, high = 0, "
+            "len(items) - 1\n",
+        ]
+    )
+]
+
+CODING_CHAT = _chat(
+    "coding-chat",
+    [
+        "Write a Python function that reverses the words in a sentence, with type hints.",
+        "Explain the difference between a list and a tuple in Python, with a short example.",
+        "Write a Python class for a stack with push, pop and peek methods.",
+        "How do I read a JSON file in Python and print one of its keys? Show code.",
+        "Write a Python function that checks whether a number is prime.",
+        "Write a bash one-liner that counts the lines of every .py file in a folder.",
+        "Write a Python function that merges two sorted lists into one sorted list.",
+        "Show how to use a Python dataclass for a 2D point with a distance method.",
+    ],
+)
+
+PROSE = _chat(
+    "prose",
+    [
+        "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+        "Describe a busy market in a mountain town at dawn.",
+        "Write a letter from a retired sailor to his granddaughter.",
+        "Tell a fable about a fox and a heron who share a river.",
+        "Write the opening paragraph of a mystery novel set on a night train.",
+        "Describe the first day of spring from the point of view of an old oak tree.",
+        "Write a short speech a teacher gives on the last day of school.",
+        "Write a travel diary entry about getting lost in a city you have never visited.",
+    ],
+)
+
+_ROWS = "\n".join(
+    f"{i},{name},{city},{age}"
+    for i, (name, city, age) in enumerate(
+        [
+            ("Alice", "Paris", 34),
+            ("Bob", "Berlin", 28),
+            ("Carla", "Madrid", 41),
+            ("Dmitri", "Riga", 37),
+            ("Emma", "Oslo", 25),
+            ("Farid", "Cairo", 52),
+        ],
+        start=1,
+    )
+)
+
+STRUCTURED = _chat(
+    "structured",
+    [
+        f"Convert this CSV to a JSON array of objects, nothing else:\nid,name,city,age\n{_ROWS}",
+        f"Turn this CSV into a Markdown table, nothing else:\nid,name,city,age\n{_ROWS}",
+        "List the numbers from 1 to 40, one per line, each as `n: n squared`.",
+        f"Write one SQL INSERT statement per row of this CSV into table people:\n"
+        f"id,name,city,age\n{_ROWS}",
+        f"Convert this CSV to YAML, a list of mappings, nothing else:\nid,name,city,age\n{_ROWS}",
+        "Write a Python dict literal mapping each month name to its number of days "
+        "(non-leap year).",
+    ],
+)
+
+BUNDLED: dict[str, list[WorkItem]] = {
+    "code-completion": CODE_COMPLETION,
+    "coding-chat": CODING_CHAT,
+    "prose": PROSE,
+    "structured": STRUCTURED,
+}
+
+
+def load(name_or_path: str) -> list[WorkItem]:
+    """A bundled workload by name, or the user's JSONL file."""
+    if name_or_path in BUNDLED:
+        return BUNDLED[name_or_path]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ValueError(f"workload {name_or_path!r}: not one of {sorted(BUNDLED)} and not a file")
+    return load_jsonl(path)
+
+
+def load_jsonl(path: Path) -> list[WorkItem]:
+    items = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not JSON ({exc})") from exc
+        if not isinstance(data, dict) or ("prompt" in data) == ("messages" in data):
+            raise ValueError(f"{where}: need an object with exactly one of prompt, messages")
+        max_tokens = data.get("max_tokens")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise ValueError(f"{where}: max_tokens must be a positive integer")
+        item_id = str(data.get("id", f"{path.stem}-{number}"))
+        if "prompt" in data:
+            if not isinstance(data["prompt"], str):
+                raise ValueError(f"{where}: prompt must be a string")
+            items.append(
+                WorkItem(item_id, "completions", prompt=data["prompt"], max_tokens=max_tokens)
+            )
+            continue
+        messages = data["messages"]
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise ValueError(f"{where}: messages must be a list of {{role, content}} strings")
+        items.append(
+            WorkItem(
+                item_id,
+                "chat",
+                messages=tuple((m["role"], m["content"]) for m in messages),
+                max_tokens=max_tokens,
+            )
+        )
+    if not items:
+        raise ValueError(f"{path}: no prompts")
+    return items
+
+
+def sequence(items: list[WorkItem], seed: int) -> "RequestSequence":
+    return RequestSequence(items, seed)
+
+
+class RequestSequence:
+    """The endless, seeded order in which items are sent: a fresh shuffle of
+    all items per pass, so every item is used equally and runs repeat exactly."""
+
+    def __init__(self, items: list[WorkItem], seed: int) -> None:
+        self._items = items
+        self._rng = random.Random(seed)
+        self._order: list[WorkItem] = []
+
+    def take(self, count: int) -> list[WorkItem]:
+        while len(self._order) < count:
+            batch = list(self._items)
+            self._rng.shuffle(batch)
+            self._order.extend(batch)
+        taken, self._order = self._order[:count], self._order[count:]
+        return taken
