@@ -6,6 +6,7 @@ in OpenAI's shape: our own `APIError`s, request validation (400, not
 FastAPI's 422), unknown routes and anything unexpected (500, logged).
 """
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -15,15 +16,24 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from server import metrics as server_metrics
+from server.admission import AdmissionController
 from server.api import chat, completions, health, metrics, models
+from server.api.admission import AdmissionMiddleware
 from server.api.auth import ApiKeyMiddleware
 from server.api.body_limit import BodySizeLimitMiddleware
 from server.api.instrumentation import RequestMetricsMiddleware
 from server.api.request_id import RequestIdMiddleware
 from server.auth import KeyRing
-from server.config import DEFAULT_MAX_BODY_BYTES
+from server.config import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONCURRENT_REQUESTS,
+    DEFAULT_MAX_QUEUED_REQUESTS,
+    DEFAULT_QUEUE_TIMEOUT_SECONDS,
+)
 from server.engine.base import Engine
 from server.errors import APIError, InternalError, InvalidRequestError, NotFoundError
+from server.lifecycle import Lifecycle
+from server.rate_limit import RateLimiter
 
 
 def _validation_error(exc: RequestValidationError) -> InvalidRequestError:
@@ -52,27 +62,46 @@ def create_app(
     api_keys: KeyRing | None = None,
     metrics_need_key: bool = False,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    admission: AdmissionController | None = None,
+    request_timeout_seconds: float | None = None,
+    lifecycle: Lifecycle | None = None,
 ) -> FastAPI:
     """The ASGI app over `engine`.
 
     `baseline_tpot_seconds` is the measured no-speculation time per output
     token, exported for the slower-than-baseline alert; `api_keys` None means
-    open access.
+    open access; `admission` None means the default bounds;
+    `request_timeout_seconds` None means no deadline. The process runner
+    shares `lifecycle` to drain and stop the server.
     """
+    admission = admission or AdmissionController(
+        DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_QUEUE_TIMEOUT_SECONDS
+    )
+    lifecycle = lifecycle or Lifecycle()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
+        lifecycle.loaded = True
         server_metrics.describe_server(engine.info(), baseline_tpot_seconds)
+        watchdog = asyncio.create_task(lifecycle.watch_engine(engine))
         try:
             yield
         finally:
+            watchdog.cancel()
+            await asyncio.gather(watchdog, return_exceptions=True)
             await engine.stop()
 
     app = FastAPI(title="specserve", lifespan=lifespan)
     app.state.engine = engine
+    app.state.lifecycle = lifecycle
+    app.state.request_timeout_seconds = request_timeout_seconds
     # The last added runs first: every refusal below is counted and carries
     # the request id.
+    rate_limiter = RateLimiter(api_keys.limits if api_keys is not None else {})
+    app.add_middleware(
+        AdmissionMiddleware, lifecycle=lifecycle, admission=admission, rate_limiter=rate_limiter
+    )
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
     app.add_middleware(ApiKeyMiddleware, keys=api_keys, metrics_need_key=metrics_need_key)
     app.add_middleware(RequestMetricsMiddleware)

@@ -1,6 +1,8 @@
 """API keys and the tenants they belong to.
 
-The key file is JSON: `{"keys": [{"key": "sk-...", "tenant": "team-a"}, ...]}`.
+The key file is JSON: `{"keys": [{"key": "sk-...", "tenant": "team-a"}, ...]}`;
+an entry may also set the tenant's `requests_per_minute` and
+`tokens_per_minute` (keys of one tenant share its limits, so they must agree).
 Keys are kept only as SHA-256 digests and checked in constant time against
 every entry, so neither the comparison nor its early exit leaks a key. A
 tenant name becomes a metrics label, so the set stays as small as the file.
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from server.config import ConfigError
+from server.rate_limit import TenantLimits
 
 
 @dataclass(frozen=True)
@@ -24,8 +27,9 @@ class _Entry:
 class KeyRing:
     """Maps a presented API key to its tenant."""
 
-    def __init__(self, keys: dict[str, str]) -> None:
+    def __init__(self, keys: dict[str, str], limits: dict[str, TenantLimits] | None = None) -> None:
         self._entries = [_Entry(_digest(key), tenant) for key, tenant in keys.items()]
+        self.limits = limits or {}
 
     def tenant_for(self, presented: str) -> str | None:
         digest = _digest(presented)
@@ -61,4 +65,21 @@ def load_key_ring(path: Path) -> KeyRing:
         raise ConfigError(f"api key file {path} lists a key twice")
     if any(not key or not tenant for key, tenant in keys.items()):
         raise ConfigError(f"api key file {path} has an empty key or tenant")
-    return KeyRing(keys)
+    limits: dict[str, TenantLimits] = {}
+    for entry in entries:
+        tenant = str(entry["tenant"])
+        entry_limits = TenantLimits(
+            _limit(path, entry, "requests_per_minute"), _limit(path, entry, "tokens_per_minute")
+        )
+        if limits.setdefault(tenant, entry_limits) != entry_limits:
+            raise ConfigError(f"api key file {path} gives tenant {tenant} different limits")
+    return KeyRing(keys, limits)
+
+
+def _limit(path: Path, entry: dict[str, object], name: str) -> int | None:
+    value = entry.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"api key file {path}: {name} must be a positive integer, got {value!r}")
+    return value

@@ -12,8 +12,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from server.api.request_id import RequestIdLogFilter
 from server.config import ConfigError, Settings
+from server.logs import configure_logging
 from server.models.embedded import ModelPullError
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,12 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--api-key-file", {}),
     ("--metrics-need-key", {"action": "store_true"}),
     ("--max-body-bytes", {"type": int}),
+    ("--max-concurrent-requests", {"type": int}),
+    ("--max-queued-requests", {"type": int}),
+    ("--queue-timeout-seconds", {"type": float}),
+    ("--request-timeout-seconds", {"type": float}),
+    ("--drain-timeout-seconds", {"type": float}),
+    ("--log-format", {"choices": ["text", "json"]}),
 ]
 
 
@@ -66,13 +72,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _serve(settings: Settings) -> None:
-    import uvicorn
-
+def _serve(settings: Settings) -> int:
+    from server.admission import AdmissionController
     from server.app import create_app
     from server.auth import load_key_ring
     from server.engine.resolve import resolve
     from server.engine.vllm_engine import VllmEngine
+    from server.lifecycle import Lifecycle
+    from server.runner import run
 
     # A bad key file fails before minutes of model pulling and loading.
     keys = None
@@ -89,16 +96,30 @@ def _serve(settings: Settings) -> None:
         engine_config.speculative_method,
         engine_config.num_speculative_tokens,
     )
+    admission = AdmissionController(
+        settings.max_concurrent_requests or settings.max_num_seqs,
+        settings.max_queued_requests,
+        settings.queue_timeout_seconds,
+    )
+    lifecycle = Lifecycle()
     app = create_app(
         VllmEngine(engine_config),
         baseline_tpot_seconds=settings.baseline_tpot_seconds,
         api_keys=keys,
         metrics_need_key=settings.metrics_need_key,
         max_body_bytes=settings.max_body_bytes,
+        admission=admission,
+        request_timeout_seconds=settings.request_timeout_seconds,
+        lifecycle=lifecycle,
     )
-    # log_config=None: uvicorn's loggers (access log included) go through the
-    # root handler above, so every line carries the request id.
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", log_config=None)
+    return run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        lifecycle=lifecycle,
+        admission=admission,
+        drain_timeout_seconds=settings.drain_timeout_seconds,
+    )
 
 
 def _models(settings: Settings, command: str) -> None:
@@ -113,19 +134,15 @@ def _models(settings: Settings, command: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s [%(request_id)s] %(name)s: %(message)s",
-    )
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(RequestIdLogFilter())
+    configure_logging("text")
     args = vars(_parser().parse_args(argv))
     command = args.pop("command")
     models_command = args.pop("models_command", None)
     try:
         settings = Settings(**args)
+        configure_logging(settings.log_format)
         if command == "serve":
-            _serve(settings)
+            return _serve(settings)
         else:
             _models(settings, models_command)
     except ValidationError as exc:

@@ -21,6 +21,15 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 2
 DEFAULT_SPECULATION_MAX_BATCH_SIZE = 1
 # Far above a full 32k-token prompt as JSON; bounds what one client can make us buffer.
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+# Admission: as many requests in the engine as it batches by default, and a
+# line of four batches behind them; past that, clients get a fast 503.
+DEFAULT_MAX_CONCURRENT_REQUESTS = 16
+DEFAULT_MAX_QUEUED_REQUESTS = 64
+DEFAULT_QUEUE_TIMEOUT_SECONDS = 60.0
+# Ten minutes is ~1,200 tokens on the 2-core CPU default and far more on a GPU.
+DEFAULT_REQUEST_TIMEOUT_SECONDS = 600.0
+# Kubernetes' default terminationGracePeriodSeconds.
+DEFAULT_DRAIN_TIMEOUT_SECONDS = 30.0
 
 
 class Settings(BaseSettings):
@@ -88,6 +97,35 @@ class Settings(BaseSettings):
         gt=0,
         description="Measured time per output token without speculation; exported "
         "so an alert fires when speculation makes decoding slower than that.",
+    )
+    max_concurrent_requests: int | None = Field(
+        None,
+        ge=1,
+        description="Generation requests in the engine at once; defaults to --max-num-seqs.",
+    )
+    max_queued_requests: int = Field(
+        DEFAULT_MAX_QUEUED_REQUESTS,
+        ge=0,
+        description="Generation requests waiting for a slot; past it, 503 with Retry-After.",
+    )
+    queue_timeout_seconds: float = Field(
+        DEFAULT_QUEUE_TIMEOUT_SECONDS,
+        gt=0,
+        description="Longest wait for a slot before a queued request gets 503.",
+    )
+    request_timeout_seconds: float = Field(
+        DEFAULT_REQUEST_TIMEOUT_SECONDS,
+        gt=0,
+        description="Deadline of a generation request from arrival; past it the "
+        "generation is aborted and the client gets 504 (or an error event).",
+    )
+    drain_timeout_seconds: float = Field(
+        DEFAULT_DRAIN_TIMEOUT_SECONDS,
+        ge=0,
+        description="On SIGTERM, how long admitted requests may run before the process stops.",
+    )
+    log_format: Literal["text", "json"] = Field(
+        "text", description="Log lines as text or as one JSON object per line."
     )
 
     @model_validator(mode="after")

@@ -18,12 +18,20 @@ class APIError(Exception):
     type: str = "server_error"
     code: str | None = None
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.param = param
         if code is not None:
             self.code = code
+        self.headers = headers or {}
 
     def to_body(self) -> dict[str, Any]:
         return {
@@ -36,7 +44,7 @@ class APIError(Exception):
         }
 
     def to_response(self) -> JSONResponse:
-        return JSONResponse(self.to_body(), status_code=self.status)
+        return JSONResponse(self.to_body(), status_code=self.status, headers=self.headers)
 
     def sse_event(self) -> str:
         return f"data: {json.dumps(self.to_body())}\n\n"
@@ -85,3 +93,37 @@ class InternalError(APIError):
     status = 500
     type = "server_error"
     code = "internal_error"
+
+
+class RateLimitError(APIError):
+    """A tenant's requests or tokens per minute are used up (OpenAI's shape:
+    type "requests" or "tokens", code rate_limit_exceeded)."""
+
+    status = 429
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, kind: str, headers: dict[str, str]) -> None:
+        super().__init__(message, headers=headers)
+        self.type = kind
+
+
+class OverloadedError(APIError):
+    """Every engine slot is busy and the wait queue is full or too slow."""
+
+    status = 503
+    type = "server_error"
+    code = "server_overloaded"
+
+
+class ShuttingDownError(APIError):
+    status = 503
+    type = "server_error"
+    code = "server_shutting_down"
+
+
+class RequestTimeoutError(APIError):
+    """The request outlived its deadline; its generation was aborted."""
+
+    status = 504
+    type = "server_error"
+    code = "request_timeout"

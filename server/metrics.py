@@ -46,6 +46,20 @@ REQUESTS = Counter(
     ["endpoint", "status"],
 )  # fmt: skip
 IN_FLIGHT = Gauge("specserve_requests_in_flight", "HTTP requests being served", ["endpoint"])
+QUEUED = Gauge(
+    "specserve_requests_queued", "Generation requests waiting for an engine slot (queue depth)"
+)
+RUNNING = Gauge("specserve_requests_running", "Generation requests holding an engine slot")
+QUEUE_WAIT = Histogram(
+    "specserve_queue_wait_seconds",
+    "Time a generation request waited for an engine slot",
+    buckets=_LATENCY_BUCKETS,
+)
+REFUSED = Counter(
+    "specserve_requests_refused_total",
+    "Generation requests refused before reaching the engine, by reason",
+    ["reason"],
+)
 TTFT = Histogram(
     "specserve_time_to_first_token_seconds", "Request arrival to first generated token",
     ["model", "endpoint"], buckets=_LATENCY_BUCKETS,

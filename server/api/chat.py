@@ -5,9 +5,10 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from server.api.admission import record_usage
 from server.api.auth import tenant
 from server.api.deps import EngineDep
-from server.api.instrumentation import arrival
+from server.api.instrumentation import arrival, deadline
 from server.api.responses import event_stream, json_unless_disconnected
 from server.protocol.chat import ChatCompletionRequest, ChatCompletionResponse
 from server.serving import chat
@@ -21,8 +22,9 @@ async def create_chat_completion(
 ) -> Response:
     # Rendering and tokenizing must not stall other streams on the event loop.
     prepared = await asyncio.to_thread(
-        chat.prepare, engine, body, arrival(request), tenant(request)
+        chat.prepare, engine, body, arrival(request), tenant(request), deadline(request)
     )
+    record_usage(request, prepared.observer)
     if body.stream:
         return event_stream(chat.stream(engine, prepared))
     return await json_unless_disconnected(request, chat.complete(engine, prepared))

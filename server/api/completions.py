@@ -5,9 +5,10 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from server.api.admission import record_usage
 from server.api.auth import tenant
 from server.api.deps import EngineDep
-from server.api.instrumentation import arrival
+from server.api.instrumentation import arrival, deadline
 from server.api.responses import event_stream, json_unless_disconnected
 from server.protocol.completions import CompletionRequest, CompletionResponse
 from server.serving import completions
@@ -21,8 +22,9 @@ async def create_completion(
 ) -> Response:
     # Tokenizing a long prompt must not stall other streams on the event loop.
     prepared = await asyncio.to_thread(
-        completions.prepare, engine, body, arrival(request), tenant(request)
+        completions.prepare, engine, body, arrival(request), tenant(request), deadline(request)
     )
+    record_usage(request, prepared.observer)
     if body.stream:
         return event_stream(completions.stream(engine, prepared))
     return await json_unless_disconnected(request, completions.complete(engine, prepared))

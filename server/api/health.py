@@ -1,10 +1,17 @@
-"""Route GET /health: 200 while the engine is alive, 503 otherwise."""
+"""Probes: GET /health (liveness) and GET /ready (readiness).
 
-from fastapi import APIRouter
+/health is 200 while the engine is alive and stays 200 while draining, so an
+orchestrator does not kill a pod that is finishing its requests. /ready is 200
+only when the models are loaded, the engine is alive and the server is not
+draining: it is what takes a replica out of a load balancer.
+"""
+
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from server.api.deps import EngineDep
-from server.errors import EngineUnavailableError
+from server.errors import EngineUnavailableError, ShuttingDownError
+from server.lifecycle import Lifecycle
 
 router = APIRouter()
 
@@ -14,3 +21,15 @@ async def health(engine: EngineDep) -> JSONResponse:
     if not await engine.check_health():
         raise EngineUnavailableError("the engine is not healthy")
     return JSONResponse({"status": "ok"})
+
+
+@router.get("/ready")
+async def ready(request: Request, engine: EngineDep) -> JSONResponse:
+    lifecycle: Lifecycle = request.app.state.lifecycle
+    if lifecycle.draining:
+        raise ShuttingDownError("the server is draining before it stops")
+    if not lifecycle.loaded:
+        raise EngineUnavailableError("the models are still loading")
+    if not await engine.check_health():
+        raise EngineUnavailableError("the engine is not healthy")
+    return JSONResponse({"status": "ready"})

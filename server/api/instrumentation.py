@@ -14,7 +14,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.metrics import IN_FLIGHT, REQUESTS
 
 ARRIVAL = "specserve_arrival"
-KNOWN_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+KNOWN_ENDPOINTS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/health",
+    "/ready",
+    "/metrics",
+)
 
 
 def endpoint_label(path: str) -> str:
@@ -56,3 +63,10 @@ class RequestMetricsMiddleware:
 def arrival(request: Request) -> float:
     """`time.perf_counter()` when the middleware first saw the request."""
     return float(getattr(request.state, ARRIVAL))
+
+
+def deadline(request: Request) -> float | None:
+    """`time.perf_counter()` by which the request must be done, counted from
+    arrival so that queueing uses up the same budget; None without a limit."""
+    timeout: float | None = request.app.state.request_timeout_seconds
+    return None if timeout is None else arrival(request) + timeout

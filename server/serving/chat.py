@@ -41,10 +41,15 @@ class PreparedChat:
     body: ChatCompletionRequest
     request: GenerationRequest
     observer: RequestObserver
+    deadline: float | None  # time.perf_counter() by which generation must end
 
 
 def prepare(
-    engine: Engine, body: ChatCompletionRequest, arrival: float, tenant: str
+    engine: Engine,
+    body: ChatCompletionRequest,
+    arrival: float,
+    tenant: str,
+    deadline: float | None,
 ) -> PreparedChat:
     model = check_model(engine, body.model)
     messages = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
@@ -66,7 +71,7 @@ def prepare(
     request = GenerationRequest(chat_id, token_ids, sampling)
     validate_all(engine, [request])
     observer = RequestObserver(model, ENDPOINT, arrival, tenant)
-    return PreparedChat(chat_id, now(), model, body, request, observer)
+    return PreparedChat(chat_id, now(), model, body, request, observer, deadline)
 
 
 def _logprobs(entries: list[TokenLogprob] | None) -> ChoiceLogprobs | None:
@@ -92,7 +97,8 @@ async def complete(engine: Engine, prepared: PreparedChat) -> ChatCompletionResp
     logprobs: dict[int, list[TokenLogprob]] = {}
     finish: dict[int, str | None] = {}
     observer = prepared.observer
-    async for _, output in generate_all(engine, [prepared.request], observer):
+    outputs = generate_all(engine, [prepared.request], observer, prepared.deadline)
+    async for _, output in outputs:
         for delta in output.choices:
             texts.setdefault(delta.index, []).append(delta.text)
             if delta.logprobs is not None:
@@ -135,7 +141,8 @@ async def stream(engine: Engine, prepared: PreparedChat) -> AsyncIterator[str]:
     for index in range(prepared.body.n):
         yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
     observer = prepared.observer
-    async for _, output in generate_all(engine, [prepared.request], observer):
+    outputs = generate_all(engine, [prepared.request], observer, prepared.deadline)
+    async for _, output in outputs:
         for delta in output.choices:
             # Tokens may carry no text yet (a partial character, a held-back
             # stop-string prefix) but still carry logprobs.

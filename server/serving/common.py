@@ -15,7 +15,13 @@ from contextlib import aclosing
 from pydantic import BaseModel
 
 from server.engine.base import Engine, EngineOutput, GenerationRequest
-from server.errors import APIError, ContextLengthExceededError, InternalError, ModelNotFoundError
+from server.errors import (
+    APIError,
+    ContextLengthExceededError,
+    InternalError,
+    ModelNotFoundError,
+    RequestTimeoutError,
+)
 from server.metrics import RequestObserver
 from server.protocol.common import SpeculationSummary, Usage
 
@@ -69,18 +75,33 @@ def resolve_max_tokens(
 
 
 async def generate_all(
-    engine: Engine, requests: list[GenerationRequest], observer: RequestObserver
+    engine: Engine,
+    requests: list[GenerationRequest],
+    observer: RequestObserver,
+    deadline: float | None,
 ) -> AsyncIterator[tuple[int, EngineOutput]]:
     """Run the engine requests of one API request; yield (request position, output).
 
     Every output passes through `observer` first, which is finished however
-    the request ends. Leaving early (client gone, error) closes every engine
-    stream at once, and each aborts its own request.
+    the request ends. Leaving early (client gone, error, `deadline` passed)
+    closes every engine stream at once, and each aborts its own request.
     """
     completed = False
     try:
         async with aclosing(_merged(engine, requests)) as outputs:
-            async for position, output in outputs:
+            while True:
+                try:
+                    # Only the wait for the engine is bounded, never our own
+                    # sending: a slow client is the disconnect handling's job.
+                    async with asyncio.timeout(_seconds_left(deadline)):
+                        position, output = await anext(outputs)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    raise RequestTimeoutError(
+                        "The request exceeded the server's request timeout and was stopped; "
+                        "ask for fewer tokens or retry"
+                    ) from None
                 observer.on_output(position, output)
                 yield position, output
         completed = True
@@ -93,6 +114,10 @@ async def generate_all(
             observer.prompt_tokens,
             observer.output_tokens,
         )
+
+
+def _seconds_left(deadline: float | None) -> float | None:
+    return None if deadline is None else deadline - time.perf_counter()
 
 
 async def _merged(

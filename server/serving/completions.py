@@ -44,10 +44,15 @@ class PreparedCompletion:
     requests: list[GenerationRequest]
     echo_texts: list[str]
     observer: RequestObserver
+    deadline: float | None  # time.perf_counter() by which generation must end
 
 
 def prepare(
-    engine: Engine, body: CompletionRequest, arrival: float, tenant: str
+    engine: Engine,
+    body: CompletionRequest,
+    arrival: float,
+    tenant: str,
+    deadline: float | None,
 ) -> PreparedCompletion:
     model = check_model(engine, body.model)
     completion_id = new_id("cmpl")
@@ -74,7 +79,9 @@ def prepare(
             echo_texts.append(prompt if isinstance(prompt, str) else engine.decode(prompt))
     validate_all(engine, requests)
     observer = RequestObserver(model, ENDPOINT, arrival, tenant)
-    return PreparedCompletion(completion_id, now(), model, body, requests, echo_texts, observer)
+    return PreparedCompletion(
+        completion_id, now(), model, body, requests, echo_texts, observer, deadline
+    )
 
 
 def _check_token_ids(token_ids: list[int], vocab_size: int) -> None:
@@ -152,7 +159,8 @@ class _Choices:
 async def complete(engine: Engine, prepared: PreparedCompletion) -> CompletionResponse:
     choices = _Choices(prepared)
     observer = prepared.observer
-    async for position, output in generate_all(engine, prepared.requests, observer):
+    outputs = generate_all(engine, prepared.requests, observer, prepared.deadline)
+    async for position, output in outputs:
         for delta in output.choices:
             choices.add(position, delta)
     return CompletionResponse(
@@ -180,7 +188,8 @@ async def stream(engine: Engine, prepared: PreparedCompletion) -> AsyncIterator[
             )
         )
 
-    async for position, output in generate_all(engine, prepared.requests, observer):
+    outputs = generate_all(engine, prepared.requests, observer, prepared.deadline)
+    async for position, output in outputs:
         for delta in output.choices:
             fragment = choices.add(position, delta)
             # Tokens may carry no text yet (a partial character, a held-back

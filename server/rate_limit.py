@@ -1,0 +1,127 @@
+"""Per-tenant rate limits: requests per minute and tokens per minute.
+
+Each limit is a bucket that holds one minute's allowance and refills
+continuously, so a tenant may burst up to its limit and then proceeds at the
+limit's pace. As with OpenAI, every admitted request counts, including ones
+that fail later. Tokens (prompt plus generated) are charged when the request
+ends, since only then are they known: a request is admitted while the
+tenant's token bucket is not empty, and a large one can overdraw it, which
+holds back that tenant's next requests until the debt has refilled.
+
+Responses carry OpenAI's headers: `x-ratelimit-limit-*`, `x-ratelimit-remaining-*`
+and `x-ratelimit-reset-*` (time until the bucket is full again, as "6m0s",
+"1.5s", "20ms"); a refusal adds `Retry-After` in whole seconds.
+"""
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from server.errors import RateLimitError
+from server.metrics import REFUSED
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+
+
+class _Bucket:
+    def __init__(self, per_minute: int, now: float) -> None:
+        self.per_minute = per_minute
+        self.level = float(per_minute)
+        self._updated = now
+
+    def refill(self, now: float) -> None:
+        gained = (now - self._updated) * self.per_minute / 60
+        self.level = min(float(self.per_minute), self.level + gained)
+        self._updated = now
+
+    def seconds_until(self, level: float) -> float:
+        return max(0.0, (level - self.level) * 60 / self.per_minute)
+
+    def headers(self, kind: str) -> dict[str, str]:
+        return {
+            f"x-ratelimit-limit-{kind}": str(self.per_minute),
+            f"x-ratelimit-remaining-{kind}": str(max(0, math.floor(self.level))),
+            f"x-ratelimit-reset-{kind}": format_duration(self.seconds_until(self.per_minute)),
+        }
+
+
+class RateLimiter:
+    """The buckets of every tenant with limits; tenants without are unlimited."""
+
+    def __init__(
+        self, limits: dict[str, TenantLimits], clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._clock = clock
+        now = clock()
+        self._requests = {
+            tenant: _Bucket(limit.requests_per_minute, now)
+            for tenant, limit in limits.items()
+            if limit.requests_per_minute is not None
+        }
+        self._tokens = {
+            tenant: _Bucket(limit.tokens_per_minute, now)
+            for tenant, limit in limits.items()
+            if limit.tokens_per_minute is not None
+        }
+        # Token charges arrive from request teardown; keep updates whole.
+        self._lock = threading.Lock()
+
+    def admit(self, tenant: str) -> dict[str, str]:
+        """Count one request for `tenant`, or raise `RateLimitError` (429);
+        returns the rate-limit headers for the response."""
+        with self._lock:
+            now = self._clock()
+            requests, tokens = self._requests.get(tenant), self._tokens.get(tenant)
+            for bucket in (requests, tokens):
+                if bucket is not None:
+                    bucket.refill(now)
+            headers = {}
+            if requests is not None:
+                headers.update(requests.headers("requests"))
+            if tokens is not None:
+                headers.update(tokens.headers("tokens"))
+            if requests is not None and requests.level < 1:
+                _refuse(tenant, "requests", requests, headers)
+            if tokens is not None and tokens.level < 1:
+                _refuse(tenant, "tokens", tokens, headers)
+            if requests is not None:
+                requests.level -= 1
+                headers.update(requests.headers("requests"))
+            return headers
+
+    def charge_tokens(self, tenant: str, count: int) -> None:
+        with self._lock:
+            bucket = self._tokens.get(tenant)
+            if bucket is not None:
+                bucket.refill(self._clock())
+                bucket.level -= count
+
+
+def _refuse(tenant: str, kind: str, bucket: _Bucket, headers: dict[str, str]) -> None:
+    REFUSED.labels(f"rate_limit_{kind}").inc()
+    wait = bucket.seconds_until(1)
+    used = bucket.per_minute - math.floor(bucket.level)
+    short = "RPM" if kind == "requests" else "TPM"
+    raise RateLimitError(
+        f"Rate limit reached for tenant {tenant} on {kind} per min ({short}): "
+        f"Limit {bucket.per_minute}, Used {used}, Requested 1. "
+        f"Please try again in {format_duration(wait)}.",
+        kind=kind,
+        headers={**headers, "Retry-After": str(max(1, math.ceil(wait)))},
+    )
+
+
+def format_duration(seconds: float) -> str:
+    """OpenAI's reset format: "20ms", "1.5s", "6m0s"."""
+    if seconds < 1:
+        return f"{round(seconds * 1000)}ms"
+    if seconds < 60:
+        return f"{round(seconds, 1):g}s"
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes}m{rest}s"

@@ -1,0 +1,94 @@
+"""Runs the app under uvicorn as a well-behaved process.
+
+The first SIGTERM or SIGINT drains: /ready turns 503 at once, new generation
+requests get 503, admitted ones finish for up to the drain timeout, then
+uvicorn shuts down and the process exits 0. uvicorn alone would stop
+listening at once and re-raise the signal after shutdown (exit status 143).
+A second signal stops at once. A dead engine stops the process with status 1.
+"""
+
+import asyncio
+import logging
+import signal
+import socket
+from collections.abc import Coroutine
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from server.admission import AdmissionController
+from server.lifecycle import Lifecycle
+
+logger = logging.getLogger(__name__)
+
+# What is left after the drain (probes, streams cut by the drain timeout)
+# gets this long before uvicorn cancels it.
+_AFTER_DRAIN_SECONDS = 2
+
+
+class _DrainingServer(uvicorn.Server):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        lifecycle: Lifecycle,
+        admission: AdmissionController,
+        drain_timeout_seconds: float,
+    ) -> None:
+        super().__init__(config)
+        self._lifecycle = lifecycle
+        self._admission = admission
+        self._drain_timeout_seconds = drain_timeout_seconds
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._start(self._stop_when_requested())
+        await super().serve(sockets)
+
+    async def _stop_when_requested(self) -> None:
+        await self._lifecycle.stop_requested.wait()
+        self.should_exit = True
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._lifecycle.draining or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        logger.info("received %s: draining", signal.Signals(sig).name)
+        # Set here, in the signal handler, so /ready is 503 from now on.
+        self._lifecycle.draining = True
+        self._loop.call_soon_threadsafe(
+            self._start, self._lifecycle.drain(self._admission, self._drain_timeout_seconds)
+        )
+
+    def _start(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)  # a running task needs a strong reference
+        task.add_done_callback(self._tasks.discard)
+
+
+def run(
+    app: FastAPI,
+    *,
+    host: str,
+    port: int,
+    lifecycle: Lifecycle,
+    admission: AdmissionController,
+    drain_timeout_seconds: float,
+) -> int:
+    """Serve until drained or the engine dies; return the exit status."""
+    # log_config=None: uvicorn's loggers (access log included) go through the
+    # root handler, so every line carries the request id.
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="info",
+        log_config=None,
+        timeout_graceful_shutdown=_AFTER_DRAIN_SECONDS,
+    )
+    server = _DrainingServer(config, lifecycle, admission, drain_timeout_seconds)
+    server.run()
+    return lifecycle.exit_status

@@ -1,0 +1,134 @@
+"""Per-tenant rate limits: buckets, OpenAI's 429 shape and headers, key-file limits."""
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.app import create_app
+from server.auth import KeyRing, load_key_ring
+from server.config import ConfigError
+from server.errors import RateLimitError
+from server.rate_limit import RateLimiter, TenantLimits, format_duration
+from tests.unit.scripted_engine import ScriptedEngine
+
+BODY = {"model": "scripted", "prompt": "a b", "max_tokens": 2}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_requests_per_minute_allows_a_burst_then_refills_at_the_limit_pace() -> None:
+    clock = Clock()
+    limiter = RateLimiter({"a": TenantLimits(requests_per_minute=3)}, clock)
+    remaining = [limiter.admit("a")["x-ratelimit-remaining-requests"] for _ in range(3)]
+    assert remaining == ["2", "1", "0"]
+    with pytest.raises(RateLimitError) as refused:
+        limiter.admit("a")
+    assert refused.value.status == 429
+    assert refused.value.type == "requests"
+    assert refused.value.code == "rate_limit_exceeded"
+    assert refused.value.headers["Retry-After"] == "20"  # one request refills in 60/3 s
+    assert "Limit 3, Used 3" in refused.value.message
+    clock.now += 20
+    assert limiter.admit("a")["x-ratelimit-remaining-requests"] == "0"
+
+
+def test_tokens_are_charged_after_the_fact_and_debt_holds_the_tenant_back() -> None:
+    clock = Clock()
+    limiter = RateLimiter({"a": TenantLimits(tokens_per_minute=600)}, clock)
+    assert limiter.admit("a")["x-ratelimit-remaining-tokens"] == "600"
+    limiter.charge_tokens("a", 900)  # a large request overdraws the bucket
+    with pytest.raises(RateLimitError) as refused:
+        limiter.admit("a")
+    assert refused.value.type == "tokens"
+    # From -300 to 1 token at 10 tokens/s.
+    assert refused.value.headers["Retry-After"] == "31"
+    clock.now += 31
+    headers = limiter.admit("a")
+    assert headers["x-ratelimit-remaining-tokens"] == "10"
+    assert headers["x-ratelimit-reset-tokens"] == "59s"
+
+
+def test_tenants_are_independent_and_unlisted_ones_unlimited() -> None:
+    limiter = RateLimiter({"a": TenantLimits(requests_per_minute=1)}, Clock())
+    limiter.admit("a")
+    with pytest.raises(RateLimitError):
+        limiter.admit("a")
+    for _ in range(100):
+        assert limiter.admit("b") == {}
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"), [(0.017, "17ms"), (1.0, "1s"), (8.44, "8.4s"), (360, "6m0s")]
+)
+def test_reset_durations_use_openai_format(seconds: float, text: str) -> None:
+    assert format_duration(seconds) == text
+
+
+async def test_over_limit_requests_get_429_with_openai_headers() -> None:
+    keys = KeyRing({"sk-a": "team-a"}, {"team-a": TenantLimits(requests_per_minute=2)})
+    app = create_app(ScriptedEngine(), api_keys=keys)
+    transport = httpx.ASGITransport(app=app)
+    headers = {"Authorization": "Bearer sk-a"}
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        first = await client.post("/v1/completions", json=BODY, headers=headers)
+        assert first.status_code == 200
+        assert first.headers["x-ratelimit-limit-requests"] == "2"
+        assert first.headers["x-ratelimit-remaining-requests"] == "1"
+        assert first.headers["x-ratelimit-reset-requests"].endswith("s")
+        stream = {**BODY, "stream": True}
+        second = await client.post("/v1/completions", json=stream, headers=headers)
+        assert second.status_code == 200
+        assert second.headers["x-ratelimit-remaining-requests"] == "0"
+        third = await client.post("/v1/chat/completions", json={}, headers=headers)
+        assert third.status_code == 429
+        assert third.json()["error"]["code"] == "rate_limit_exceeded"
+        assert third.json()["error"]["type"] == "requests"
+        assert int(third.headers["retry-after"]) >= 1
+        assert third.headers["x-ratelimit-remaining-requests"] == "0"
+        # Listing models is not rate limited.
+        assert (await client.get("/v1/models", headers=headers)).status_code == 200
+
+
+async def test_generated_tokens_are_charged_to_the_tenant() -> None:
+    keys = KeyRing({"sk-a": "team-a"}, {"team-a": TenantLimits(tokens_per_minute=100)})
+    app = create_app(ScriptedEngine(), api_keys=keys)
+    transport = httpx.ASGITransport(app=app)
+    headers = {"Authorization": "Bearer sk-a"}
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        first = await client.post("/v1/completions", json=BODY, headers=headers)
+        used = first.json()["usage"]["total_tokens"]
+        second = await client.post("/v1/completions", json=BODY, headers=headers)
+    assert first.headers["x-ratelimit-remaining-tokens"] == "100"
+    # The bucket refills 100/60 tokens a second; allow a slow machine a second.
+    assert 100 - used <= int(second.headers["x-ratelimit-remaining-tokens"]) <= 100 - used + 2
+
+
+def test_key_file_limits_are_read_and_checked(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    entries = [
+        {"key": "k1", "tenant": "a", "requests_per_minute": 60, "tokens_per_minute": 1000},
+        {"key": "k2", "tenant": "a", "requests_per_minute": 60, "tokens_per_minute": 1000},
+        {"key": "k3", "tenant": "b"},
+    ]
+    path.write_text(json.dumps({"keys": entries}))
+    ring = load_key_ring(path)
+    assert ring.limits == {"a": TenantLimits(60, 1000), "b": TenantLimits()}
+    for bad in (
+        [{"key": "k1", "tenant": "a", "requests_per_minute": 0}],
+        [{"key": "k1", "tenant": "a", "tokens_per_minute": "many"}],
+        [
+            {"key": "k1", "tenant": "a", "requests_per_minute": 1},
+            {"key": "k2", "tenant": "a", "requests_per_minute": 2},
+        ],
+    ):
+        path.write_text(json.dumps({"keys": bad}))
+        with pytest.raises(ConfigError):
+            load_key_ring(path)
