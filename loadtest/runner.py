@@ -22,8 +22,11 @@ from tqdm import tqdm
 
 from loadtest import promscrape
 from loadtest.client import send
+from loadtest.metrics import summarize
 from loadtest.records import RequestRecord
 from loadtest.workloads import RequestSequence, WorkItem
+
+WARMUP_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -99,11 +102,13 @@ async def open_server(label: str, url: str, options: Options) -> Server:
 
 
 async def warm_up(server: Server, items: list[WorkItem], count: int, options: Options) -> None:
-    """Sequential requests that are not recorded: first-request costs stay out."""
+    """Sequential requests that are not recorded: first-request costs stay out.
+    A few tokens each are enough for that, and keep warm-up cheap on slow hosts."""
     for i in range(count):
         item = items[i % len(items)]
         record = RequestRecord(index=-1, item=item.id, server=server.label)
-        payload = item.payload(server.model, options.max_tokens, options.temperature, False)
+        payload = item.payload(server.model, WARMUP_TOKENS, options.temperature, False)
+        payload["max_tokens"] = min(payload["max_tokens"], WARMUP_TOKENS)
         await send(server.client, item, payload, record)
         if not record.success:
             print(f"[{server.label}] warm-up request failed: {record.error}", flush=True)
@@ -205,8 +210,7 @@ async def measure(
                     # Spread the requests over the rounds; early rounds take the remainder.
                     count = num_requests // rounds + (round_index < num_requests % rounds)
                 seconds = duration / rounds if duration is not None else None
-                if progress is not None:
-                    progress.set_description(f"{server.label} round {round_index + 1}/{rounds}")
+                progress.set_description(f"{server.label} round {round_index + 1}/{rounds}")
                 await run_block(
                     server,
                     sequences[server.label],
@@ -223,8 +227,6 @@ async def measure(
 
 
 def server_result(server: Server, slos: dict[str, float]) -> dict[str, Any]:
-    from loadtest.metrics import summarize
-
     return {
         "url": server.url,
         "model": server.model,

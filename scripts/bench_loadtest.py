@@ -1,0 +1,178 @@
+"""Publishable speculation and front-end numbers, measured with loadtest.
+
+1. Starts `specserve serve` with speculation (the defaults: K=2, speculation
+   up to a batch of 1) and with `--no-speculation`, on the default pair, and
+   runs `python -m loadtest sweep` (a compare at each concurrency level, in
+   alternating rounds) for every bundled workload at concurrency 1 and a
+   higher one.
+2. Stops the speculative server, starts vLLM's own OpenAI server with the
+   engine settings specserve uses on CPU (eager, bf16, seed 0, same
+   max-num-seqs and KV cache, all cores bound, Intel OpenMP preloaded), and
+   compares specserve without speculation against it: what our front end costs.
+
+Every loadtest command is printed and written to <out>/commands.txt; each
+run's results.json, summary.md and plots go to a folder under <out>.
+
+    .venv/bin/python scripts/bench_loadtest.py --out docs/benchmarks/results
+"""
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from loadtest.workloads import BUNDLED
+
+
+def _start(
+    name: str, command: list[str], env: dict[str, str], port: int, logs: Path
+) -> tuple[subprocess.Popen[bytes], float]:
+    print(f"[{name}] {' '.join(command)}", flush=True)
+    log = (logs / f"{name}.log").open("w")
+    started = time.perf_counter()
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    while True:
+        if process.poll() is not None:
+            raise SystemExit(f"[{name}] exited with {process.returncode}; see {logs}/{name}.log")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    startup = time.perf_counter() - started
+    print(f"[{name}] healthy after {startup:.0f} s", flush=True)
+    return process, startup
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _loadtest(args: list[str], record: Path) -> None:
+    command = [sys.executable, "-m", "loadtest", *args]
+    line = " ".join(command[1:])
+    print(f"$ python {line}", flush=True)
+    with record.open("a") as commands:
+        commands.write(f"python {line}\n")
+    started = time.perf_counter()
+    subprocess.run(command, check=True)
+    print(f"  ({time.perf_counter() - started:.0f} s)", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/results"))
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--num-requests", type=int, default=8, help="per server per level")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--workloads", nargs="+", default=list(BUNDLED))
+    parser.add_argument(
+        "--overhead-workloads",
+        nargs="+",
+        default=["coding-chat", "code-completion"],
+        help="workloads for specserve vs vLLM's server",
+    )
+    parser.add_argument("--kv-cache-gib", type=int, default=1)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--skip-speculation", action="store_true")
+    parser.add_argument("--skip-overhead", action="store_true")
+    args = parser.parse_args()
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    logs = args.out / "logs"
+    logs.mkdir(exist_ok=True)
+    record = args.out / "commands.txt"
+    engine = ["--kv-cache-gib", str(args.kv_cache_gib), "--max-num-seqs", str(args.max_num_seqs)]
+    serve = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1"]
+    with record.open("a") as commands:
+        commands.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: {' '.join(sys.argv)}\n")
+    common = [
+        "--max-tokens", str(args.max_tokens), "--num-requests", str(args.num_requests),
+        "--rounds", "2", "--warmup", "1", "--seed", "0", "--no-progress",
+    ]  # fmt: skip
+    levels = [str(c) for c in args.concurrency]
+    env = dict(os.environ)
+
+    plain, _ = _start(
+        "specserve-no-spec",
+        [*serve, "--port", "8302", "--no-speculation", *engine],
+        env,
+        8302,
+        logs,
+    )
+    try:
+        if not args.skip_speculation:
+            spec, _ = _start("specserve-spec", [*serve, "--port", "8301", *engine], env, 8301, logs)
+            try:
+                for workload in args.workloads:
+                    _loadtest(
+                        [
+                            "sweep", "--a", "http://127.0.0.1:8301", "--a-label", "spec",
+                            "--b", "http://127.0.0.1:8302", "--b-label", "no-spec",
+                            "--workload", workload, "--concurrency", *levels,
+                            "--max-batch", str(args.max_num_seqs), *common,
+                            "--output-dir", str(args.out / f"spec-vs-nospec-{workload}"),
+                        ],
+                        record,
+                    )  # fmt: skip
+            finally:
+                _stop(spec)
+        if not args.skip_overhead:
+            model = Path.home() / ".cache/specserve/models/qwen2.5-coder-1.5b-instruct"
+            # What specserve's engine adapter sets on CPU (configure_cpu_runtime).
+            vllm_env = dict(env)
+            vllm_env.setdefault(
+                "VLLM_CPU_OMP_THREADS_BIND",
+                ",".join(str(c) for c in sorted(os.sched_getaffinity(0))),
+            )
+            vllm_env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
+            iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
+            if iomp.is_file():
+                vllm_env["LD_PRELOAD"] = str(iomp)
+            vllm_command = [
+                sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                "--host", "127.0.0.1", "--port", "8303", "--model", str(model),
+                "--served-model-name", "qwen2.5-coder-1.5b-instruct", "--dtype", "bfloat16",
+                "--seed", "0", "--max-num-seqs", str(args.max_num_seqs), "--enforce-eager",
+            ]  # fmt: skip
+            print(
+                "[vllm] env VLLM_CPU_OMP_THREADS_BIND="
+                f"{vllm_env['VLLM_CPU_OMP_THREADS_BIND']} VLLM_CPU_KVCACHE_SPACE="
+                f"{vllm_env['VLLM_CPU_KVCACHE_SPACE']} LD_PRELOAD={vllm_env.get('LD_PRELOAD', '')}",
+                flush=True,
+            )
+            vllm, _ = _start("vllm-server", vllm_command, vllm_env, 8303, logs)
+            try:
+                for workload in args.overhead_workloads:
+                    for level in levels:
+                        name = f"specserve-vs-vllm-{workload}-c{level}"
+                        _loadtest(
+                            [
+                                "compare", "--a", "http://127.0.0.1:8302", "--a-label", "specserve",
+                                "--b", "http://127.0.0.1:8303", "--b-label", "vllm",
+                                "--workload", workload, "--concurrency", level, *common,
+                                "--output-dir", str(args.out / name),
+                            ],
+                            record,
+                        )  # fmt: skip
+            finally:
+                _stop(vllm)
+    finally:
+        _stop(plain)
+
+
+if __name__ == "__main__":
+    main()
