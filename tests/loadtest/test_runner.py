@@ -1,0 +1,167 @@
+"""Arrival processes, bounds and alternation, against scripted servers."""
+
+import asyncio
+import json
+import random
+import statistics
+from pathlib import Path
+
+import httpx
+import pytest
+
+from loadtest import cli
+from loadtest.runner import Load, Options, Server, measure
+from loadtest.workloads import BUNDLED, RequestSequence, WorkItem, load_jsonl
+
+ITEMS = BUNDLED["prose"]
+
+
+class Scripted:
+    """A streaming chat server that records what it was sent, and when."""
+
+    def __init__(self, name: str, log: list[tuple[str, str]], delay: float = 0.01) -> None:
+        self.name, self.log, self.delay = name, log, delay
+        self.in_flight = self.most_in_flight = 0
+
+    async def handler(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(404)
+        body = json.loads(request.content)
+        self.log.append((self.name, body["messages"][0]["content"]))
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        await asyncio.sleep(self.delay)
+        self.in_flight -= 1
+        chunk = {"choices": [{"index": 0, "delta": {"content": "ok"}}]}
+        usage = {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}
+        text = f"data: {json.dumps(chunk)}\n\ndata: {json.dumps(usage)}\n\ndata: [DONE]\n\n"
+        return httpx.Response(200, content=text.encode())
+
+    def server(self) -> Server:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(self.handler), base_url="http://t")
+        return Server(self.name, "http://t", client, "m")
+
+
+async def test_alternating_rounds_send_the_same_prompts_in_abba_order() -> None:
+    log: list[tuple[str, str]] = []
+    a, b = Scripted("a", log), Scripted("b", log)
+    servers = [a.server(), b.server()]
+    await measure(
+        servers, ITEMS, Load(concurrency=1), Options(), num_requests=5, duration=None,
+        rounds=3, seed=7, show_progress=False,
+    )  # fmt: skip
+    # 5 requests over 3 rounds: 2, 2, 1 per server; order A B, B A, A B.
+    assert [name for name, _ in log] == list("aabbbbaaab")
+    sent_a = [prompt for name, prompt in log if name == "a"]
+    sent_b = [prompt for name, prompt in log if name == "b"]
+    assert sent_a == sent_b
+    for server in servers:
+        assert [r.index for r in server.records] == [0, 1, 2, 3, 4]
+        assert all(r.success for r in server.records)
+        assert server.duration > 0
+        assert server.speculation is None  # no /metrics
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+async def test_fixed_concurrency_keeps_that_many_in_flight(concurrency: int) -> None:
+    scripted = Scripted("a", [], delay=0.02)
+    server = scripted.server()
+    await measure(
+        [server], ITEMS, Load(concurrency=concurrency), Options(), num_requests=9,
+        duration=None, rounds=1, seed=0, show_progress=False,
+    )  # fmt: skip
+    assert len(server.records) == 9
+    assert scripted.most_in_flight == concurrency
+
+
+async def test_open_loop_respects_max_concurrency() -> None:
+    scripted = Scripted("a", [], delay=0.02)
+    server = scripted.server()
+    await measure(
+        [server], ITEMS, Load(max_concurrency=2), Options(), num_requests=6, duration=None,
+        rounds=1, seed=0, show_progress=False,
+    )  # fmt: skip
+    assert len(server.records) == 6
+    assert scripted.most_in_flight == 2
+
+
+async def test_duration_bound_stops_sending() -> None:
+    server = Scripted("a", [], delay=0.02).server()
+    await measure(
+        [server], ITEMS, Load(concurrency=1), Options(), num_requests=None, duration=0.2,
+        rounds=1, seed=0, show_progress=False,
+    )  # fmt: skip
+    # About 10 sequential 20 ms requests fit in 0.2 s; timers on a busy box vary.
+    assert 3 <= len(server.records) <= 11
+
+
+def test_poisson_and_bursty_gaps_have_the_requested_rate() -> None:
+    rng = random.Random(0)
+    poisson = [Load(request_rate=4.0).gap(rng) for _ in range(20000)]
+    bursty = [Load(request_rate=4.0, burstiness=0.25).gap(rng) for _ in range(20000)]
+    for gaps in (poisson, bursty):
+        assert statistics.fmean(gaps) == pytest.approx(0.25, rel=0.05)
+    # Coefficient of variation of a gamma of shape k is 1/sqrt(k): 1 and 2.
+    assert statistics.stdev(poisson) / statistics.fmean(poisson) == pytest.approx(1.0, rel=0.05)
+    assert statistics.stdev(bursty) / statistics.fmean(bursty) == pytest.approx(2.0, rel=0.08)
+    assert Load().gap(rng) == 0.0  # infinite rate: all at once
+
+
+def test_sequence_is_seeded_and_uses_every_item_equally() -> None:
+    first = [i.id for i in RequestSequence(ITEMS, 3).take(2 * len(ITEMS))]
+    again = RequestSequence(ITEMS, 3)
+    assert first == [i.id for i in again.take(5) + again.take(2 * len(ITEMS) - 5)]
+    assert first != [i.id for i in RequestSequence(ITEMS, 4).take(2 * len(ITEMS))]
+    assert sorted(first) == sorted([i.id for i in ITEMS] * 2)
+
+
+def test_jsonl_workload(tmp_path: Path) -> None:
+    path = tmp_path / "mine.jsonl"
+    path.write_text(
+        '{"prompt": "def f(x):", "max_tokens": 5}\n\n'
+        '{"id": "q", "messages": [{"role": "system", "content": "be brief"},'
+        ' {"role": "user", "content": "hi"}]}\n'
+    )
+    items = load_jsonl(path)
+    assert items[0] == WorkItem("mine-1", "completions", prompt="def f(x):", max_tokens=5)
+    assert items[1].id == "q" and items[1].path == "/v1/chat/completions"
+    payload = items[1].payload("m", 32, 0.0, True)
+    assert payload["messages"][0] == {"role": "system", "content": "be brief"}
+    assert payload["max_tokens"] == 32 and payload["stream_options"] == {"include_usage": True}
+    assert items[0].payload("m", 32, 0.0, False)["max_tokens"] == 5
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "not json",
+        '{"prompt": "a", "messages": []}',
+        "{}",
+        '{"prompt": 3}',
+        '{"messages": [{"role": "user"}]}',
+        '{"prompt": "a", "max_tokens": 0}',
+    ],
+)
+def test_bad_jsonl_lines_are_refused_with_their_place(tmp_path: Path, line: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
+        load_jsonl(path)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "--url", "http://x", "--workload", "nope"],
+        ["run", "--url", "http://x", "--num-requests", "0"],
+        ["run", "--url", "http://x", "--num-requests", "3", "--duration", "5"],
+        ["run", "--url", "http://x", "--goodput", "speed:3"],
+        ["compare", "--a", "http://x", "--b", "http://y", "--num-requests", "1"],
+        ["sweep", "--a", "http://x", "--b", "http://y"],
+        ["run", "--url", "http://x", "--concurrency", "0"],
+    ],
+)
+def test_bad_command_lines_exit_with_usage(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse(argv)
+    assert exit_info.value.code == 2
