@@ -1,0 +1,87 @@
+{{/* Helpers shared by every template; all prefixed "specserve.". */}}
+
+{{/* Chart name, or nameOverride. */}}
+{{- define "specserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Resource name: fullnameOverride, or "<release>-<name>" unless the release already contains the name. */}}
+{{- define "specserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "specserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels on every object. */}}
+{{- define "specserve.labels" -}}
+helm.sh/chart: {{ include "specserve.chart" . }}
+{{ include "specserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* Labels that select the pods; never change them on upgrade. */}}
+{{- define "specserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "specserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "specserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "specserve.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Image reference; the tag defaults to "<appVersion>-cpu" or "-gpu". */}}
+{{- define "specserve.image" -}}
+{{- $flavour := ternary "gpu" "cpu" .Values.gpu.enabled }}
+{{- $tag := default (printf "%s-%s" .Chart.AppVersion $flavour) .Values.image.tag }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+
+{{/* Secret holding the API key file: the existing one, or the chart's. */}}
+{{- define "specserve.apiKeySecretName" -}}
+{{- default (printf "%s-api-keys" (include "specserve.fullname" .)) .Values.apiKeys.existingSecret }}
+{{- end }}
+
+{{/* PVC of the model cache: the existing one, or the chart's. */}}
+{{- define "specserve.modelCacheClaimName" -}}
+{{- default (printf "%s-models" (include "specserve.fullname" .)) .Values.modelCache.existingClaim }}
+{{- end }}
+
+{{/* Seconds between SIGTERM and SIGKILL: the preStop pause, the server's drain, and margin for engine shutdown. */}}
+{{- define "specserve.terminationGracePeriodSeconds" -}}
+{{- add .Values.lifecycle.preStopSleepSeconds .Values.server.drainTimeoutSeconds 10 }}
+{{- end }}
+
+{{/* Settings the chart refuses before anything is applied. */}}
+{{- define "specserve.validate" -}}
+{{- if and .Values.autoscaling.enabled .Values.keda.enabled }}
+{{- fail "autoscaling.enabled and keda.enabled both scale the Deployment: enable one" }}
+{{- end }}
+{{- if and .Values.apiKeys.enabled (not .Values.apiKeys.existingSecret) (not .Values.apiKeys.keys) }}
+{{- fail "apiKeys.enabled needs apiKeys.keys or apiKeys.existingSecret" }}
+{{- end }}
+{{- if gt (int .Values.engine.tensorParallelSize) (ternary (int .Values.gpu.count) 1 .Values.gpu.enabled) }}
+{{- fail "engine.tensorParallelSize must not exceed gpu.count (and needs gpu.enabled)" }}
+{{- end }}
+{{- if and .Values.model.draft (eq .Values.speculation.method "ngram") }}
+{{- fail "model.draft is set but speculation.method is ngram: choose one" }}
+{{- end }}
+{{- if and .Values.model.target (not .Values.model.draft) .Values.speculation.enabled (eq .Values.speculation.method "draft_model") }}
+{{- fail "a custom model.target needs model.draft, speculation.method=ngram or speculation.enabled=false" }}
+{{- end }}
+{{- end }}
