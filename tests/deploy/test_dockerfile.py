@@ -1,0 +1,121 @@
+"""The Dockerfile: hadolint finds nothing, and its stages keep the promises the
+README makes (CPU and GPU targets, BASE_IMAGE, non-root, HEALTHCHECK on /health,
+model cache volume, no build tools or caches in the final images). The real
+build and run is `make image-test` (scripts/image_test.py)."""
+
+import re
+import subprocess
+
+import pytest
+
+from server.config import Settings
+from tests.deploy.conftest import ROOT, tool
+
+pytestmark = pytest.mark.deploy
+
+DOCKERFILE = ROOT / "Dockerfile"
+FINAL_STAGES = ("cpu", "gpu")
+
+
+def stages() -> dict[str, list[str]]:
+    """Instructions of each stage (continuation lines joined), by stage name."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    lines = [line.strip() for line in text.splitlines()]
+    result: dict[str, list[str]] = {"": []}
+    current = ""
+    for line in lines:
+        if not line or line.startswith("#"):
+            continue
+        match = re.match(r"FROM\s+(\S+)\s+AS\s+(\S+)", line, re.IGNORECASE)
+        if match:
+            current = match.group(2)
+            result[current] = [line]
+        else:
+            result[current].append(line)
+    return result
+
+
+def instructions(stage: str, keyword: str) -> list[str]:
+    return [line for line in stages()[stage] if line.split()[0] == keyword]
+
+
+def test_hadolint_finds_nothing() -> None:
+    result = subprocess.run(
+        [tool("hadolint"), "--no-color", str(DOCKERFILE)], capture_output=True, text=True
+    )
+    assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr
+
+
+def test_targets_and_base_image_argument() -> None:
+    assert set(FINAL_STAGES) <= stages().keys()
+    assert stages()[""] == ["ARG BASE_IMAGE=debian:bookworm-slim"]
+    assert stages()["runtime"][0] == "FROM ${BASE_IMAGE} AS runtime"
+    for stage in FINAL_STAGES:
+        assert stages()[stage][0] == f"FROM runtime AS {stage}"
+    cpu_install = " ".join(instructions("build-cpu", "RUN"))
+    gpu_install = " ".join(instructions("build-gpu", "RUN"))
+    assert "'.[cpu]'" in cpu_install and "'.[cuda]'" in gpu_install
+
+
+@pytest.mark.parametrize("stage", FINAL_STAGES)
+def test_final_image_is_unprivileged_healthchecked_with_a_model_volume(stage: str) -> None:
+    (user,) = instructions(stage, "USER")
+    uid = user.split()[1].split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, "numeric non-root uid (runAsNonRoot checks it)"
+    (health,) = instructions(stage, "HEALTHCHECK")
+    assert "/health" in health and "--start-period=" in health
+    (volume,) = instructions(stage, "VOLUME")
+    env = " ".join(instructions(stage, "ENV"))
+    assert volume == 'VOLUME ["/models"]' and "SPECSERVE_CACHE_DIR=/models" in env
+    assert instructions(stage, "ENTRYPOINT") == ['ENTRYPOINT ["tini", "--", "specserve"]']
+    assert f"EXPOSE {Settings.model_fields['port'].default}" in stages()[stage]
+
+
+@pytest.mark.parametrize("stage", FINAL_STAGES)
+def test_final_image_copies_only_the_venv_and_the_models(stage: str) -> None:
+    copies = instructions(stage, "COPY")
+    assert copies == [
+        f"COPY --from=build-{stage} /opt/specserve /opt/specserve",
+        "COPY --from=models --chown=1000:1000 /models /models",
+    ]
+    # Nothing is installed into the final stages themselves.
+    assert not instructions(stage, "RUN")
+
+
+def test_no_caches_left_in_layers() -> None:
+    for stage, lines in stages().items():
+        for line in lines:
+            if "pip install" in line:
+                assert "--no-cache-dir" in line, f"{stage}: {line}"
+            if "apt-get install" in line:
+                assert "rm -rf /var/lib/apt/lists/*" in line, f"{stage}: {line}"
+
+
+def test_models_are_baked_only_on_request() -> None:
+    models = " ".join(stages()["models"])
+    assert "ARG BAKE_MODELS=false" in models
+    assert 'if [ "$BAKE_MODELS" = "true" ]' in models
+    assert "models pull --cache-dir /models" in models
+
+
+def test_build_context_is_an_allowlist() -> None:
+    rules = [
+        line
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
+    assert rules[0] == "*"
+    allowed = {rule.removeprefix("!").rstrip("/") for rule in rules if rule.startswith("!")}
+    copied = set()
+    for lines in stages().values():
+        for line in lines:
+            parts = line.split()
+            if parts[0] == "COPY" and not parts[1].startswith("--from"):
+                copied |= {source.rstrip("/") for source in parts[1:-1]}
+    assert copied <= allowed, "COPY of a path the context leaves out"
+
+
+def test_base_image_script_is_valid_bash() -> None:
+    script = ROOT / "deploy" / "docker" / "make-base-image.sh"
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

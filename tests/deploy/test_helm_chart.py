@@ -1,0 +1,363 @@
+"""helm/specserve: the real helm binary lints and renders it, every rendered
+manifest validates against the Kubernetes schemas, and the rendered objects
+say what the chart promises (probes, resources, secret wiring, optional
+objects only when enabled, drain time, the project's rules and dashboard)."""
+
+import json
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from server.auth import load_key_ring
+from server.config import Settings
+from tests.deploy.conftest import (
+    CHART,
+    CI_VALUES,
+    NAMESPACE,
+    RELEASE,
+    ROOT,
+    Manifests,
+    helm,
+    kinds,
+    only,
+    tool,
+)
+
+pytestmark = pytest.mark.deploy
+
+Render = Callable[..., Manifests]
+FULLNAME = f"{RELEASE}-specserve"
+# Custom resources: kubernetes-validate has no schema for them; their fields are
+# checked by the assertions below (and the rules by promtool).
+CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject"}
+# The chart's kubeVersion floor and the newest schemas kubernetes-validate has.
+KUBERNETES_VERSIONS = ["1.27.0", kubernetes_validate.latest_version()]
+DEFAULT_KINDS = {"Deployment", "Service", "ServiceAccount", "PersistentVolumeClaim"}
+DEFAULT_KINDS |= {"PodDisruptionBudget"}
+# Settings the chart already sets for the server to honour (README "Multi-GPU").
+AWAITING_SERVER = {"SPECSERVE_TENSOR_PARALLEL_SIZE"}
+# Values passed to Kubernetes as they are; documented as one row each.
+FREE_FORM_VALUES = {"resources", "podSecurityContext", "securityContext", "strategy", "labels"}
+
+
+def ci_values(name: str) -> Path:
+    path = CHART / "ci" / f"{name}-values.yaml"
+    assert path in CI_VALUES
+    return path
+
+
+def container(manifests: Manifests) -> dict[str, Any]:
+    containers = only(manifests, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    result: dict[str, Any] = containers[0]
+    return result
+
+
+def env(manifests: Manifests) -> dict[str, str]:
+    return {item["name"]: item["value"] for item in container(manifests)["env"]}
+
+
+def pod_spec(manifests: Manifests) -> dict[str, Any]:
+    spec: dict[str, Any] = only(manifests, "Deployment")["spec"]["template"]["spec"]
+    return spec
+
+
+def test_ci_values_cover_cpu_gpu_multi_gpu_and_monitoring() -> None:
+    names = {path.name.removesuffix("-values.yaml") for path in CI_VALUES}
+    assert {"cpu", "gpu", "multi-gpu", "monitoring"} <= names
+
+
+@pytest.mark.parametrize("values", [None, *CI_VALUES], ids=lambda v: v.name if v else "default")
+def test_helm_lint_strict(values: Path | None) -> None:
+    args = ["lint", "--strict", str(CHART)] + (["--values", str(values)] if values else [])
+    result = helm(*args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 chart(s) failed" in result.stdout
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("values", CI_VALUES, ids=lambda v: v.name)
+def test_every_manifest_validates_strictly(rendered: Render, values: Path, version: str) -> None:
+    for manifest in rendered(values):
+        name = f"{manifest['kind']}/{manifest['metadata']['name']}"
+        try:
+            kubernetes_validate.validate(manifest, version, strict=True)
+        except kubernetes_validate.SchemaNotFoundError:
+            assert manifest["kind"] in CUSTOM_KINDS, f"{name}: no schema for a core kind"
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{values.name}: {name} invalid for Kubernetes {version}: {exc}")
+
+
+def test_defaults_render_only_the_core_objects(rendered: Render) -> None:
+    assert kinds(rendered()) == DEFAULT_KINDS
+
+
+@pytest.mark.parametrize(
+    ("setting", "kind"),
+    [
+        ("autoscaling.enabled", "HorizontalPodAutoscaler"),
+        ("keda.enabled", "ScaledObject"),
+        ("metrics.serviceMonitor.enabled", "ServiceMonitor"),
+        ("metrics.prometheusRule.enabled", "PrometheusRule"),
+        ("metrics.grafanaDashboard.enabled", "ConfigMap"),
+    ],
+)
+def test_optional_objects_appear_only_when_enabled(
+    rendered: Render, setting: str, kind: str
+) -> None:
+    assert kind not in kinds(rendered())
+    manifests = rendered(**{setting: "true"})
+    assert kinds(manifests) == DEFAULT_KINDS | {kind}
+    autoscaled = kind in {"HorizontalPodAutoscaler", "ScaledObject"}
+    # An autoscaled Deployment leaves replicas to the autoscaler.
+    assert ("replicas" in only(manifests, "Deployment")["spec"]) != autoscaled
+
+
+@pytest.mark.parametrize(
+    ("sets", "absent"),
+    [
+        ({"podDisruptionBudget.enabled": "false"}, "PodDisruptionBudget"),
+        ({"serviceAccount.create": "false"}, "ServiceAccount"),
+        ({"modelCache.type": "emptyDir"}, "PersistentVolumeClaim"),
+        ({"modelCache.existingClaim": "shared-models"}, "PersistentVolumeClaim"),
+    ],
+)
+def test_default_objects_can_be_turned_off(
+    rendered: Render, sets: dict[str, str], absent: str
+) -> None:
+    assert kinds(rendered(**sets)) == DEFAULT_KINDS - {absent}
+
+
+def test_probes_use_health_ready_and_give_startup_time_for_the_model(rendered: Render) -> None:
+    main = container(rendered())
+    assert main["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert main["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert main["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    startup = main["startupProbe"]
+    # First start pulls and converts the embedded pair (~5 min) and loads it (~1 min).
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 15 * 60
+    port = main["ports"][0]
+    assert port["name"] == "http"
+    assert env(rendered())["SPECSERVE_PORT"] == str(port["containerPort"])
+    service = only(rendered(), "Service")
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+    assert (
+        service["spec"]["selector"]
+        == only(rendered(), "Deployment")["spec"]["selector"]["matchLabels"]
+    )
+
+
+@pytest.mark.parametrize("values", [None, *CI_VALUES], ids=lambda v: v.name if v else "default")
+def test_termination_grace_period_covers_the_drain(rendered: Render, values: Path | None) -> None:
+    manifests = rendered(values) if values else rendered()
+    drain = float(env(manifests)["SPECSERVE_DRAIN_TIMEOUT_SECONDS"])
+    pre_stop = container(manifests)["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    grace = pod_spec(manifests)["terminationGracePeriodSeconds"]
+    assert grace >= drain + float(pre_stop[1]) + 5
+
+
+def test_drain_default_is_the_servers(rendered: Render) -> None:
+    drain = float(env(rendered())["SPECSERVE_DRAIN_TIMEOUT_SECONDS"])
+    assert drain == Settings.model_fields["drain_timeout_seconds"].default
+
+
+def test_cpu_resources_and_no_gpu(rendered: Render) -> None:
+    resources = container(rendered(ci_values("cpu")))["resources"]
+    assert resources["requests"]["cpu"] and resources["requests"]["memory"]
+    assert resources["limits"]["memory"]
+    assert "nvidia.com/gpu" not in resources["limits"]
+    assert container(rendered(ci_values("cpu")))["image"] == "specserve:0.1.0-cpu"
+
+
+@pytest.mark.parametrize(("name", "gpus"), [("gpu", 1), ("multi-gpu", 4)])
+def test_gpu_resources_scheduling_and_tensor_parallelism(
+    rendered: Render, name: str, gpus: int
+) -> None:
+    manifests = rendered(ci_values(name))
+    main = container(manifests)
+    assert main["resources"]["limits"]["nvidia.com/gpu"] == gpus
+    assert main["resources"]["limits"]["memory"], "the GPU limit must not replace the others"
+    assert main["image"] == "specserve:0.1.0-gpu"
+    spec = pod_spec(manifests)
+    assert spec["nodeSelector"]
+    assert {t["key"] for t in spec["tolerations"]} == {"nvidia.com/gpu"}
+    tensor_parallel = env(manifests).get("SPECSERVE_TENSOR_PARALLEL_SIZE")
+    assert tensor_parallel == (str(gpus) if gpus > 1 else None)
+
+
+def test_multi_gpu_scales_on_queue_depth_of_its_own_pods(rendered: Render) -> None:
+    manifests = rendered(ci_values("multi-gpu"))
+    scaled = only(manifests, "ScaledObject")
+    assert scaled["spec"]["scaleTargetRef"]["name"] == FULLNAME
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "prometheus"
+    query = trigger["metadata"]["query"]
+    assert query.startswith("sum(specserve_requests_queued{")
+    assert f'namespace="{NAMESPACE}"' in query and f'service="{FULLNAME}"' in query
+    assert "replicas" not in only(manifests, "Deployment")["spec"]
+
+
+def test_chart_api_keys_secret_is_a_key_file_the_server_loads(
+    rendered: Render, tmp_path: Path
+) -> None:
+    manifests = rendered(ci_values("cpu"))
+    secret = only(manifests, "Secret")
+    ((file_name, content),) = secret["stringData"].items()
+    key_file = tmp_path / file_name
+    key_file.write_text(content)
+    assert load_key_ring(key_file).tenants == {"ci"}
+    spec = pod_spec(manifests)
+    (volume,) = [v for v in spec["volumes"] if "secret" in v]
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    (mount,) = [m for m in container(manifests)["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount["readOnly"] is True
+    assert env(manifests)["SPECSERVE_API_KEY_FILE"] == f"{mount['mountPath']}/{file_name}"
+    annotations = only(manifests, "Deployment")["spec"]["template"]["metadata"]["annotations"]
+    assert "checksum/api-keys" in annotations
+
+
+def test_existing_api_keys_secret_is_mounted_not_created(rendered: Render) -> None:
+    manifests = rendered(ci_values("gpu"))
+    assert "Secret" not in kinds(manifests)
+    (volume,) = [v for v in pod_spec(manifests)["volumes"] if "secret" in v]
+    assert volume["secret"]["secretName"] == "specserve-api-keys"
+    assert "SPECSERVE_API_KEY_FILE" in env(manifests)
+
+
+def test_without_api_keys_nothing_secret_is_wired(rendered: Render) -> None:
+    manifests = rendered()
+    assert "Secret" not in kinds(manifests)
+    assert "SPECSERVE_API_KEY_FILE" not in env(manifests)
+    assert not [v for v in pod_spec(manifests)["volumes"] if "secret" in v]
+
+
+def test_model_cache_volume_per_type(rendered: Render) -> None:
+    def models_volume(**sets: str) -> dict[str, Any] | None:
+        manifests = rendered(**sets)
+        mounts = {m["name"]: m["mountPath"] for m in container(manifests)["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod_spec(manifests)["volumes"]}
+        assert ("models" in mounts) == ("models" in volumes)
+        assert mounts.get("models", "/models") == env(manifests)["SPECSERVE_CACHE_DIR"]
+        return volumes.get("models")
+
+    pvc = models_volume()
+    assert pvc is not None
+    assert (
+        pvc["persistentVolumeClaim"]["claimName"]
+        == only(rendered(), "PersistentVolumeClaim")["metadata"]["name"]
+    )
+    existing = models_volume(**{"modelCache.existingClaim": "shared-models"})
+    assert existing is not None
+    assert existing["persistentVolumeClaim"]["claimName"] == "shared-models"
+    empty = models_volume(**{"modelCache.type": "emptyDir"})
+    assert empty is not None and empty["emptyDir"]["sizeLimit"] == "20Gi"
+    assert models_volume(**{"modelCache.type": "image"}) is None
+
+
+def test_pods_run_unprivileged(rendered: Render) -> None:
+    spec = pod_spec(rendered())
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"]["runAsUser"] != 0
+    assert container(rendered())["securityContext"]["allowPrivilegeEscalation"] is False
+    assert spec["automountServiceAccountToken"] is False
+
+
+def test_every_env_var_is_a_server_setting(rendered: Render) -> None:
+    fields = {f"SPECSERVE_{name.upper()}" for name in Settings.model_fields}
+    for values in CI_VALUES:
+        names = {name for name in env(rendered(values)) if name.startswith("SPECSERVE_")}
+        assert names - fields <= AWAITING_SERVER, f"{values.name}: not server settings"
+    # Fails once the server has them: then drop them from AWAITING_SERVER.
+    assert not (AWAITING_SERVER & fields)
+
+
+def test_prometheus_rule_is_deploy_prometheus_rules(rendered: Render, tmp_path: Path) -> None:
+    rule = only(rendered(**{"metrics.prometheusRule.enabled": "true"}), "PrometheusRule")
+    project = yaml.safe_load((ROOT / "deploy" / "prometheus" / "rules.yml").read_text())
+    assert rule["spec"]["groups"] == project["groups"]
+    rules_file = tmp_path / "rules.yml"
+    rules_file.write_text(yaml.safe_dump(rule["spec"]))
+    check = subprocess.run(
+        [tool("promtool"), "check", "rules", str(rules_file)], capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_service_monitor_scrapes_the_service_as_job_specserve(rendered: Render) -> None:
+    manifests = rendered(ci_values("monitoring"))
+    monitor = only(manifests, "ServiceMonitor")
+    service = only(manifests, "Service")
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
+    # The SpecserveDown alert matches up{job="specserve"}.
+    assert service["metadata"]["labels"][monitor["spec"]["jobLabel"]] == "specserve"
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == service["spec"]["ports"][0]["name"]
+    assert endpoint["path"] == "/metrics"
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+def test_dashboard_config_map_is_the_project_dashboard(rendered: Render) -> None:
+    config_map = only(rendered(ci_values("monitoring")), "ConfigMap")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = (ROOT / "deploy" / "grafana" / "dashboards" / "specserve.json").read_text()
+    assert json.loads(config_map["data"]["specserve.json"]) == json.loads(dashboard)
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        ({"autoscaling.enabled": "true", "keda.enabled": "true"}, "enable one"),
+        ({"apiKeys.enabled": "true"}, "apiKeys.keys or apiKeys.existingSecret"),
+        ({"engine.tensorParallelSize": "2"}, "must not exceed gpu.count"),
+        ({"model.target": "org/model"}, "needs model.draft"),
+        ({"speculation.numSpeculativeTokens": "0"}, "minimum"),
+        ({"modelCache.type": "hostPath"}, "modelCache/type"),
+        ({"unknownValue": "1"}, "additional properties"),
+    ],
+)
+def test_chart_refuses_settings_that_cannot_work(sets: dict[str, str], message: str) -> None:
+    args = ["template", RELEASE, str(CHART)]
+    for key, value in sets.items():
+        args += ["--set", f"{key}={value}"]
+    result = helm(*args)
+    assert result.returncode != 0
+    assert message in result.stderr
+
+
+def test_notes_tell_how_to_reach_the_service() -> None:
+    result = helm("install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE)
+    assert result.returncode == 0, result.stderr
+    notes = result.stdout.split("NOTES:", 1)[1]
+    assert f"port-forward svc/{FULLNAME} 8000:8000" in notes
+    assert "apiKeys.enabled is false" in notes
+
+
+def _leaf_keys(values: dict[str, Any], prefix: str = "") -> set[str]:
+    keys = set()
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value and key not in FREE_FORM_VALUES:
+            keys |= _leaf_keys(value, f"{path}.")
+        else:
+            keys.add(path)
+    return keys
+
+
+def test_readme_documents_every_value_and_schema_knows_it() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    readme = (CHART / "README.md").read_text()
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    for key in sorted(_leaf_keys(values)):
+        assert f"| `{key}` |" in readme, f"README.md does not document {key}"
+        node = schema
+        for part in key.split("."):
+            assert part in node["properties"], f"values.schema.json does not know {key}"
+            node = node["properties"][part]
