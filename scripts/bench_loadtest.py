@@ -85,7 +85,7 @@ def main() -> None:
         default=["coding-chat", "code-completion"],
         help="workloads for specserve vs vLLM's server",
     )
-    parser.add_argument("--kv-cache-gib", type=int, default=1)
+    parser.add_argument("--kv-cache-gib", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--skip-speculation", action="store_true")
     parser.add_argument("--skip-overhead", action="store_true")
