@@ -121,8 +121,9 @@ def create_app(
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
         if exc.status_code == 404:
             return NotFoundError(str(exc.detail)).to_response()
+        # Starlette's 405 lists the allowed methods in `Allow`; keep it.
         error = InvalidRequestError(str(exc.detail))
-        return JSONResponse(error.to_body(), status_code=exc.status_code)
+        return JSONResponse(error.to_body(), status_code=exc.status_code, headers=exc.headers)
 
     # Starlette re-raises after this handler, so uvicorn logs the traceback.
     @app.exception_handler(Exception)

@@ -40,7 +40,11 @@ class AdmissionMiddleware:
         self.rate_limiter = rate_limiter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+        if (
+            scope["type"] != "http"
+            or scope["method"] != "POST"
+            or scope["path"] not in GENERATION_PATHS
+        ):
             await self.app(scope, receive, send)
             return
         request_tenant = tenant(Request(scope))

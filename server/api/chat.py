@@ -9,14 +9,18 @@ from server.api.admission import record_usage
 from server.api.auth import tenant
 from server.api.deps import EngineDep
 from server.api.instrumentation import arrival, deadline
-from server.api.responses import event_stream, json_unless_disconnected
+from server.api.responses import GENERATION_RESPONSES, event_stream, json_unless_disconnected
 from server.protocol.chat import ChatCompletionRequest, ChatCompletionResponse
 from server.serving import chat
 
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletionResponse,
+    responses=GENERATION_RESPONSES,
+)
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, engine: EngineDep
 ) -> Response:

@@ -9,14 +9,14 @@ from server.api.admission import record_usage
 from server.api.auth import tenant
 from server.api.deps import EngineDep
 from server.api.instrumentation import arrival, deadline
-from server.api.responses import event_stream, json_unless_disconnected
+from server.api.responses import GENERATION_RESPONSES, event_stream, json_unless_disconnected
 from server.protocol.completions import CompletionRequest, CompletionResponse
 from server.serving import completions
 
 router = APIRouter()
 
 
-@router.post("/v1/completions", response_model=CompletionResponse)
+@router.post("/v1/completions", response_model=CompletionResponse, responses=GENERATION_RESPONSES)
 async def create_completion(
     body: CompletionRequest, request: Request, engine: EngineDep
 ) -> Response:

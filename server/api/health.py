@@ -10,20 +10,21 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from server.api.deps import EngineDep
+from server.api.responses import error_responses
 from server.errors import EngineUnavailableError, ShuttingDownError
 from server.lifecycle import Lifecycle
 
 router = APIRouter()
 
 
-@router.get("/health")
+@router.get("/health", responses=error_responses(503))
 async def health(engine: EngineDep) -> JSONResponse:
     if not await engine.check_health():
         raise EngineUnavailableError("the engine is not healthy")
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/ready")
+@router.get("/ready", responses=error_responses(503))
 async def ready(request: Request, engine: EngineDep) -> JSONResponse:
     lifecycle: Lifecycle = request.app.state.lifecycle
     if lifecycle.draining:

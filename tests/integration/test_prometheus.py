@@ -7,7 +7,6 @@ speculation figures the responses reported.
 
 import asyncio
 import shutil
-import socket
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 import yaml
 
 from tests.integration.conftest import RunningServer
+from tests.net import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -44,12 +44,6 @@ def test_promtool_accepts_the_deploy_files(args: list[str]) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture
 async def prometheus(spec_server: RunningServer, tmp_path: Path) -> AsyncIterator[str]:
     """A Prometheus on loopback scraping `spec_server` every second with our rules."""
@@ -61,7 +55,7 @@ async def prometheus(spec_server: RunningServer, tmp_path: Path) -> AsyncIterato
     ]
     config_file = tmp_path / "prometheus.yml"
     config_file.write_text(yaml.safe_dump(config))
-    port = _free_port()
+    port = free_port()
     process = await asyncio.create_subprocess_exec(
         _tool("prometheus"), f"--config.file={config_file}",
         f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}",

@@ -85,6 +85,16 @@ async def test_stop_string_ends_the_choice(client: httpx.AsyncClient) -> None:
     assert choice["finish_reason"] == "stop"
 
 
+async def test_a_long_stop_string_is_one_sequence_not_over_the_limit(
+    client: httpx.AsyncClient,
+) -> None:
+    # The four-sequence limit counts list items, never a string's characters.
+    body = {"model": "scripted", "prompt": "x", "stop": " world", "max_tokens": 9}
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == "Hello"
+
+
 async def test_echo_prepends_the_prompt(client: httpx.AsyncClient) -> None:
     response = await client.post(
         "/v1/completions",

@@ -1,0 +1,119 @@
+"""Many streaming clients at once against the real engine with tight admission
+bounds: some hang up mid-stream, some are over the limit. Every finished
+stream must be correct, every refusal a 503 with Retry-After, and afterwards
+nothing is left running and the server still answers."""
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from server.admission import AdmissionController
+from tests.integration.conftest import RunningServer, TinyModels, serve, tiny_engine_config
+
+pytestmark = pytest.mark.integration
+
+MAX_CONCURRENT, MAX_QUEUED = 8, 8
+CLIENTS = 64
+BODY = {"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 48, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+async def admission_server(tiny: TinyModels) -> AsyncIterator[RunningServer]:
+    admission = AdmissionController(MAX_CONCURRENT, MAX_QUEUED, queue_timeout_seconds=300)
+    config = tiny_engine_config(tiny, tiny.close_draft)
+    async for running in serve(config, admission=admission):
+        yield running
+
+
+@dataclass
+class Outcome:
+    status: int
+    text: str = ""
+    finish_reason: str | None = None
+    done: bool = False
+    error: dict[str, object] | None = None
+    retry_after: str | None = None
+
+
+async def _client(base_url: str, hang_up: bool) -> Outcome:
+    # One connection per client, as separate users would have.
+    async with (
+        httpx.AsyncClient(base_url=base_url, timeout=300) as http,
+        http.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as response,
+    ):
+        if response.status_code != 200:
+            await response.aread()
+            return Outcome(
+                response.status_code,
+                error=response.json()["error"],
+                retry_after=response.headers.get("retry-after"),
+            )
+        outcome = Outcome(200)
+        async for line in response.aiter_lines():
+            if line == "data: [DONE]":
+                outcome.done = True
+            elif line.startswith("data: "):
+                chunk = json.loads(line.removeprefix("data: "))
+                outcome.error = chunk.get("error")
+                for choice in chunk.get("choices", []):
+                    outcome.text += choice["text"]
+                    outcome.finish_reason = choice["finish_reason"] or outcome.finish_reason
+                if hang_up and outcome.text:
+                    return outcome
+        return outcome
+
+
+async def _metric(http: httpx.AsyncClient, name: str) -> float:
+    text = (await http.get("/metrics")).text
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and line[len(name)] in " {"
+    ]
+    return sum(values)
+
+
+async def test_concurrent_streams_with_disconnects_and_refusals(
+    admission_server: RunningServer,
+) -> None:
+    base_url = admission_server.base_url
+    async with httpx.AsyncClient(base_url=base_url, timeout=300) as http:
+        reference = (await http.post("/v1/completions", json=BODY)).json()["choices"][0]["text"]
+        hang_ups = [i % 4 == 1 for i in range(CLIENTS)]
+        outcomes = await asyncio.gather(*(_client(base_url, h) for h in hang_ups))
+
+        finished = [o for o, h in zip(outcomes, hang_ups, strict=True) if o.status == 200 and not h]
+        refused = [o for o in outcomes if o.status != 200]
+        assert finished, "no stream finished"
+        for outcome in finished:
+            assert outcome.error is None and outcome.done
+            assert outcome.text == reference
+            assert outcome.finish_reason == "length"
+        # At most MAX_CONCURRENT + MAX_QUEUED fit at once; hang-ups free slots early.
+        assert len(refused) >= CLIENTS - 2 * (MAX_CONCURRENT + MAX_QUEUED)
+        for outcome in refused:
+            assert outcome.status == 503
+            assert outcome.error is not None and outcome.error["code"] == "server_overloaded"
+            assert outcome.retry_after is not None and int(outcome.retry_after) >= 1
+
+        llm = admission_server.engine._llm
+        for _ in range(100):
+            if llm.get_num_unfinished_requests() == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert llm.get_num_unfinished_requests() == 0
+        assert await _metric(http, "specserve_requests_running") == 0
+        assert await _metric(http, "specserve_requests_queued") == 0
+        in_flight = 'specserve_requests_in_flight{endpoint="/v1/completions"}'
+        assert await _metric(http, in_flight) == 0
+        again = await http.post("/v1/completions", json=BODY)
+        assert again.status_code == 200
+        assert again.json()["choices"][0]["text"] == reference
+    print(
+        f"\n{CLIENTS} clients: {len(finished)} finished, {hang_ups.count(True)} hung up, "
+        f"{len(refused)} refused with 503"
+    )

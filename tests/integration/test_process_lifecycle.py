@@ -1,0 +1,144 @@
+"""`specserve serve` as a real process on tiny models: SIGTERM drains, a dead
+engine exits non-zero.
+
+Timings are printed (run with `-s` to see them); nothing asserts on speed.
+"""
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.integration.conftest import TinyModels
+from tests.net import free_port
+
+pytestmark = pytest.mark.integration
+
+STARTUP_SECONDS = 300
+# Outlasts the signal by several seconds on the tiny model (600 tokens).
+LONG_BODY = {"model": "tiny", "prompt": "x", "max_tokens": 600, "temperature": 0}
+
+
+class Process:
+    def __init__(self, popen: subprocess.Popen[str], base_url: str, log: Path) -> None:
+        self.popen, self.base_url, self.log = popen, base_url, log
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while time.monotonic() < deadline:
+            assert self.popen.poll() is None, f"server exited: {self.log.read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{self.base_url}/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(1)
+        raise AssertionError("server did not become ready")
+
+
+@pytest.fixture
+def serve_process(tiny: TinyModels, tmp_path: Path) -> Iterator[Process]:
+    port = free_port()
+    log = tmp_path / "server.log"
+    command = [
+        sys.executable, "-m", "server", "serve",
+        "--model", str(tiny.target), "--draft-model", str(tiny.close_draft),
+        "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "2048",
+        "--kv-cache-gib", "1", "--host", "127.0.0.1", "--port", str(port),
+        "--drain-timeout-seconds", "120",
+    ]  # fmt: skip
+    with log.open("w") as out:
+        popen = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True)
+    process = Process(popen, f"http://127.0.0.1:{port}", log)
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        if popen.poll() is None:
+            for child in psutil.Process(popen.pid).children(recursive=True):
+                child.kill()
+            popen.kill()
+            popen.wait()
+
+
+async def _stream(client: httpx.AsyncClient, started: asyncio.Event) -> list[dict[str, object]]:
+    events = []
+    async with client.stream(
+        "POST", "/v1/completions", json={**LONG_BODY, "stream": True}
+    ) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line == "data: [DONE]":
+                return events
+            if line.startswith("data: "):
+                events.append(json.loads(line.removeprefix("data: ")))
+                started.set()
+    raise AssertionError("stream ended without [DONE]")
+
+
+async def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(
+    serve_process: Process,
+) -> None:
+    async with httpx.AsyncClient(base_url=serve_process.base_url, timeout=300) as client:
+        started = [asyncio.Event(), asyncio.Event()]
+        streams = [asyncio.create_task(_stream(client, event)) for event in started]
+        plain = asyncio.create_task(client.post("/v1/completions", json=LONG_BODY))
+        for event in started:
+            await asyncio.wait_for(event.wait(), timeout=60)
+        signalled = time.monotonic()
+        serve_process.popen.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.5)
+        assert (await client.get("/ready")).status_code == 503
+        assert (await client.get("/health")).status_code == 200
+        refused = await client.post("/v1/completions", json={**LONG_BODY, "max_tokens": 1})
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "server_shutting_down"
+        assert "retry-after" in refused.headers
+        assert not any(stream.done() for stream in streams), "requests ended before the drain"
+        results = await asyncio.gather(*streams)
+        plain_response = await plain
+        drained = time.monotonic()
+    for events in results:
+        assert all("error" not in event for event in events)
+        assert events[-1]["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
+    assert plain_response.status_code == 200
+    assert plain_response.json()["usage"]["completion_tokens"] == LONG_BODY["max_tokens"]
+    exit_status = await asyncio.to_thread(serve_process.popen.wait, 60)
+    exited = time.monotonic()
+    assert exit_status == 0, serve_process.log.read_text()[-3000:]
+    print(
+        f"\ndrain: in-flight requests finished {drained - signalled:.1f} s after SIGTERM, "
+        f"process exited {exited - signalled:.1f} s after it"
+    )
+
+
+def test_a_dead_engine_turns_health_503_and_exits_non_zero(serve_process: Process) -> None:
+    children = psutil.Process(serve_process.popen.pid).children(recursive=True)
+    engine_cores = [c for c in children if "EngineCore" in " ".join(c.cmdline()) + c.name()]
+    assert engine_cores, [(c.name(), c.cmdline()) for c in children]
+    killed = time.monotonic()
+    for core in engine_cores:
+        os.kill(core.pid, signal.SIGKILL)
+    unhealthy = False
+    while serve_process.popen.poll() is None and time.monotonic() - killed < 60:
+        with contextlib.suppress(httpx.TransportError):
+            unhealthy |= httpx.get(f"{serve_process.base_url}/health").status_code == 503
+        time.sleep(0.2)
+    exit_status = serve_process.popen.wait(timeout=30)
+    log = serve_process.log.read_text()
+    assert exit_status == 1, log[-3000:]  # our watchdog's status, not a crash
+    assert "the engine died" in log
+    print(
+        f"\nengine killed: exit status {exit_status} after {time.monotonic() - killed:.1f} s, "
+        f"/health seen 503: {unhealthy}"
+    )
