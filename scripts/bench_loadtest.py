@@ -11,12 +11,14 @@
    compares specserve without speculation against it: what our front end costs.
 
 Every loadtest command is printed and written to <out>/commands.txt; each
-run's results.json, summary.md and plots go to a folder under <out>.
+run's results.json, summary.md and plots go to a folder under <out>, and
+<out>/tables.md gathers the headline tables (`--tables-only` rebuilds it).
 
     .venv/bin/python scripts/bench_loadtest.py --out docs/benchmarks/results
 """
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -70,14 +72,72 @@ def _loadtest(args: list[str], record: Path) -> None:
     print(f"  ({time.perf_counter() - started:.0f} s)", flush=True)
 
 
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def tables(out: Path) -> str:
+    """Headline Markdown tables from the results.json files under `out`."""
+    lines = [
+        "### Speculation on vs off (specserve, default pair)",
+        "",
+        "| workload | concurrency | no-spec tok/s | spec tok/s | speedup | TPOT p50 ms "
+        "no-spec / spec | TTFT p50 ms no-spec / spec | acceptance | mean acceptance length |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    schedules = []
+    for path in sorted(out.glob("spec-vs-nospec-*/results.json")):
+        data = json.loads(path.read_text())
+        workload = data["config"]["workload"]
+        for level in data["levels"]:
+            spec, plain = level["servers"]["spec"], level["servers"]["no-spec"]
+            s, p = spec["summary"], plain["summary"]
+            figures = spec["speculation"] or {}
+            failed = s["failed"] + p["failed"]
+            lines.append(
+                f"| {workload} | {level['level']} | {_fmt(p['output_throughput'])} | "
+                f"{_fmt(s['output_throughput'])} | {_fmt(level['speedup'])} | "
+                f"{_fmt(p['tpot_ms']['p50'], 0)} / {_fmt(s['tpot_ms']['p50'], 0)} | "
+                f"{_fmt(p['ttft_ms']['p50'], 0)} / {_fmt(s['ttft_ms']['p50'], 0)} | "
+                f"{_fmt(figures.get('acceptance_rate'))} | "
+                f"{_fmt(figures.get('mean_acceptance_length'))} |"
+                + (f" ({failed} failed)" if failed else "")
+            )
+        table = data["suggestion"]["num_speculative_tokens_per_batch_size"]
+        schedules.append(f"- {workload}: `{json.dumps(table)}`")
+    lines += ["", "Suggested `num_speculative_tokens_per_batch_size` per workload:", "", *schedules]
+    lines += [
+        "",
+        "### Front end: specserve vs vLLM's OpenAI server (no speculation, same engine)",
+        "",
+        "| workload | concurrency | vLLM tok/s | specserve tok/s | ratio | TTFT p50 ms vLLM / "
+        "specserve | TPOT p50 ms vLLM / specserve | ITL p50 ms vLLM / specserve |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for path in sorted(out.glob("specserve-vs-vllm-*/results.json")):
+        data = json.loads(path.read_text())
+        ours, theirs = (data["servers"][k]["summary"] for k in ("specserve", "vllm"))
+        failed = ours["failed"] + theirs["failed"]
+        lines.append(
+            f"| {data['config']['workload']} | {data['config']['load'].split()[-1]} | "
+            f"{_fmt(theirs['output_throughput'])} | {_fmt(ours['output_throughput'])} | "
+            f"{_fmt(data['speedup'])} | "
+            f"{_fmt(theirs['ttft_ms']['p50'], 0)} / {_fmt(ours['ttft_ms']['p50'], 0)} | "
+            f"{_fmt(theirs['tpot_ms']['p50'], 0)} / {_fmt(ours['tpot_ms']['p50'], 0)} | "
+            f"{_fmt(theirs['itl_ms']['p50'], 0)} / {_fmt(ours['itl_ms']['p50'], 0)} |"
+            + (f" ({failed} failed)" if failed else "")
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/results"))
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--num-requests", type=int, default=8, help="per server per level")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--num-requests", type=int, default=4, help="per server per level")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--workloads", nargs="+", default=list(BUNDLED))
     parser.add_argument(
         "--overhead-workloads",
@@ -89,7 +149,12 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--skip-speculation", action="store_true")
     parser.add_argument("--skip-overhead", action="store_true")
+    parser.add_argument("--tables-only", action="store_true", help="rebuild <out>/tables.md")
     args = parser.parse_args()
+    if args.tables_only:
+        (args.out / "tables.md").write_text(tables(args.out))
+        print(tables(args.out))
+        return
 
     args.out.mkdir(parents=True, exist_ok=True)
     logs = args.out / "logs"
@@ -172,6 +237,8 @@ def main() -> None:
                 _stop(vllm)
     finally:
         _stop(plain)
+    (args.out / "tables.md").write_text(tables(args.out))
+    print(tables(args.out))
 
 
 if __name__ == "__main__":
