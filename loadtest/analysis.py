@@ -39,7 +39,9 @@ def lookup(data: dict[str, Any], path: Sequence[str]) -> float | None:
         if not isinstance(value, dict) or key not in value:
             return None
         value = value[key]
-    return float(value) if isinstance(value, int | float) else None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return value  # ints stay ints: counts print without decimals
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

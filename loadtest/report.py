@@ -42,8 +42,8 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 def fmt(value: float | None, digits: int = 2) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    if float(value).is_integer():  # counts, and round figures
-        return f"{value:.0f}"
+    if isinstance(value, int):  # counts
+        return str(value)
     return f"{value:.{digits}f}"
 
 
