@@ -1,0 +1,201 @@
+"""Build the CPU image for real and serve a completion from it (`make image-test`).
+
+Steps, each timed: start a Docker engine if none runs (and stop it again at
+the end), make a Debian base image with debootstrap when no registry is
+reachable (deploy/docker/make-base-image.sh), `docker build --target cpu`,
+then run the image on a tiny generated model (used as its own draft, so
+speculation runs too), wait for /health and the image's HEALTHCHECK to turn
+healthy, send one completion, and stop the container within its drain time.
+Prints the build time, the image size and the startup time.
+
+Too slow for every CI run (a cold build downloads ~2 GB of wheels); run it
+after changing the Dockerfile, its base or the dependencies.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.tiny_models import build_model  # noqa: E402
+
+CONTAINER = "specserve-image-test"
+HOST_PORT = 18000
+WHEELHOUSE = ROOT / "deploy" / "docker" / "wheels"
+
+
+def run(
+    *args: str, capture: bool = False, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    print("+", " ".join(args), flush=True)
+    return subprocess.run(args, check=True, text=True, capture_output=capture, env=env)
+
+
+def docker_ok() -> bool:
+    return subprocess.run(["docker", "info"], capture_output=True).returncode == 0
+
+
+def start_dockerd(log: Path) -> subprocess.Popen[bytes]:
+    """A private engine for this run; the caller stops it, so it never lingers."""
+    with log.open("wb") as out:
+        daemon = subprocess.Popen(["dockerd"], stdout=out, stderr=subprocess.STDOUT)
+    for _ in range(60):
+        if docker_ok():
+            return daemon
+        time.sleep(1)
+    daemon.terminate()
+    raise SystemExit(f"dockerd did not start; see {log}")
+
+
+def stage_local_wheels() -> bool:
+    """Copy pip's local find-links wheels into the build context; True if torch is among them.
+
+    torch==2.13.0+cpu is not on PyPI; a host that has it locally (PIP_FIND_LINKS)
+    builds without reaching the torch index."""
+    found_torch = False
+    for entry in os.environ.get("PIP_FIND_LINKS", "").split():
+        folder = Path(entry.removeprefix("file://"))
+        for wheel in folder.glob("*.whl") if folder.is_dir() else []:
+            target = WHEELHOUSE / wheel.name
+            if not target.exists():
+                shutil.copy2(wheel, target)
+            found_torch |= wheel.name.startswith("torch-")
+    return found_torch
+
+
+def get(path: str, timeout: float = 5) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{HOST_PORT}{path}", timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def wait_for(what: str, check: Callable[[], bool], limit: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < limit:
+        try:
+            if check():
+                return time.monotonic() - start
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        if not container_running():
+            raise SystemExit(f"container exited while waiting for {what}")
+        time.sleep(2)
+    raise SystemExit(f"{what} not reached in {limit:.0f} s")
+
+
+def container_running() -> bool:
+    out = subprocess.run(
+        ["docker", "inspect", "--format", "{{.State.Running}}", CONTAINER],
+        capture_output=True,
+        text=True,
+    )
+    return out.stdout.strip() == "true"
+
+
+def health_status() -> str:
+    return run(
+        "docker", "inspect", "--format", "{{.State.Health.Status}}", CONTAINER, capture=True
+    ).stdout.strip()
+
+
+def complete() -> dict[str, object]:
+    body = json.dumps({"model": "tiny", "prompt": "hello world", "max_tokens": 8}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{HOST_PORT}/v1/completions",
+        data=body,
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        result: dict[str, object] = json.loads(response.read())
+        return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tag", default="specserve:cpu")
+    parser.add_argument("--base-image", default="specserve-base:bookworm")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="specserve-image-test."))
+    daemon = None if docker_ok() else start_dockerd(work / "dockerd.log")
+    try:
+        started = time.monotonic()
+        run(str(ROOT / "deploy" / "docker" / "make-base-image.sh"), args.base_image)
+        base_seconds = time.monotonic() - started
+
+        build = ["docker", "build", "--target", "cpu", "-t", args.tag]
+        build += ["--build-arg", f"BASE_IMAGE={args.base_image}"]
+        if stage_local_wheels():
+            build += ["--build-arg", "PIP_EXTRA_INDEX_URL="]
+        started = time.monotonic()
+        # The classic builder: Debian's engine ships without buildx.
+        run(*build, str(ROOT), env={**os.environ, "DOCKER_BUILDKIT": "0"})
+        build_seconds = time.monotonic() - started
+        size = int(
+            run(
+                "docker", "image", "inspect", "--format", "{{.Size}}", args.tag, capture=True
+            ).stdout
+        )
+
+        model = build_model(work / "tiny", seed=0)
+        # Readable by the image's unprivileged user (safetensors writes 0600 files).
+        for path in (work, model, *model.iterdir()):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        subprocess.run(["docker", "rm", "-f", CONTAINER], capture_output=True)
+        run(
+            "docker", "run", "-d", "--name", CONTAINER, "--shm-size", "1g",
+            "-p", f"127.0.0.1:{HOST_PORT}:8000", "-v", f"{model}:/srv/tiny:ro",
+            args.tag, "serve", "--model", "/srv/tiny", "--draft-model", "/srv/tiny",
+            "--served-model-name", "tiny", "--dtype", "float32", "--kv-cache-gib", "1",
+            "--max-model-len", "512",
+        )  # fmt: skip
+        try:
+            # Seconds on an idle 2-core box; several minutes when other vLLM
+            # servers share the cores (>300 s seen at a load average of 27).
+            up = wait_for("/health 200", lambda: get("/health")[0] == 200, 900)
+            healthy = wait_for("HEALTHCHECK healthy", lambda: health_status() == "healthy", 120)
+            result = complete()
+            choices = result["choices"]
+            assert isinstance(choices, list) and choices[0]["text"], result
+            usage = result["usage"]
+            assert isinstance(usage, dict) and usage["completion_tokens"] == 8, result
+            print("completion:", json.dumps(result)[:400])
+            stop_started = time.monotonic()
+            run("docker", "stop", "--time", "45", CONTAINER, capture=True)
+            stop_seconds = time.monotonic() - stop_started
+            exit_code = run(
+                "docker", "inspect", "--format", "{{.State.ExitCode}}", CONTAINER, capture=True
+            ).stdout.strip()
+        except BaseException:
+            subprocess.run(["docker", "logs", "--tail", "80", CONTAINER])
+            raise
+        finally:
+            subprocess.run(["docker", "rm", "-f", CONTAINER], capture_output=True)
+        print(
+            f"image-test passed: base {base_seconds:.0f} s, build {build_seconds:.0f} s, "
+            f"image {args.tag} {size / 1e9:.2f} GB, /health after {up:.0f} s, "
+            f"healthy {healthy:.0f} s later, stop {stop_seconds:.0f} s (exit code {exit_code})"
+        )
+    finally:
+        if daemon is not None:
+            daemon.terminate()
+            daemon.wait(timeout=60)
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
