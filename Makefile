@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 ENGINE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 INSTALLED := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: install models tools serve test lint bench image-test
+.PHONY: install models tools serve test lint bench bench-loadtest image-test
 
 install: $(INSTALLED)
 
@@ -66,3 +66,7 @@ test: models tools lint
 
 bench: models
 	$(BIN)/python scripts/bench_speculation.py --max-tokens 128
+
+# Speculation on/off per workload and specserve vs vLLM's server (docs/benchmarks.md).
+bench-loadtest: models
+	$(BIN)/python scripts/bench_loadtest.py --out loadtest-results/bench
