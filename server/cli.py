@@ -35,6 +35,7 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--cache-dir", {}),
     ("--kv-cache-gib", {"type": int}),
     ("--max-num-seqs", {"type": int}),
+    ("--tensor-parallel-size", {"type": int}),
     ("--baseline-tpot-seconds", {"type": float}),
     ("--api-key-file", {}),
     ("--metrics-need-key", {"action": "store_true"}),

@@ -81,6 +81,9 @@ class Settings(BaseSettings):
     )
     kv_cache_gib: int = Field(2, ge=1, description="KV cache size in GiB (CPU).")
     max_num_seqs: int = Field(16, ge=1, description="Most requests in one engine step.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="GPUs of this node the target model is split across."
+    )
     api_key_file: Path | None = Field(
         None,
         description='JSON file of API keys and their tenants: {"keys": [{"key": "...", '

@@ -46,4 +46,5 @@ def resolve(settings: Settings) -> EngineConfig:
         seed=settings.seed,
         kv_cache_gib=settings.kv_cache_gib,
         max_num_seqs=settings.max_num_seqs,
+        tensor_parallel_size=settings.tensor_parallel_size,
     )

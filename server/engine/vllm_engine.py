@@ -45,6 +45,7 @@ class EngineConfig:
     seed: int
     kv_cache_gib: int
     max_num_seqs: int
+    tensor_parallel_size: int = 1  # GPUs the target is split across
 
 
 def speculation_schedule(k: int, max_batch_size: int, max_num_seqs: int) -> list[list[int]]:
@@ -96,6 +97,7 @@ class VllmEngine:
             seed=config.seed,
             max_model_len=config.max_model_len,  # type: ignore[arg-type]  # None: model's own
             max_num_seqs=config.max_num_seqs,
+            tensor_parallel_size=config.tensor_parallel_size,
             speculative_config=self._speculative_config(),
             # vLLM refuses per-request speculation metrics without speculation.
             per_request_spec_decode_metrics="none"

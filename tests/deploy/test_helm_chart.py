@@ -39,8 +39,6 @@ CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject"}
 KUBERNETES_VERSIONS = ["1.27.0", kubernetes_validate.latest_version()]
 DEFAULT_KINDS = {"Deployment", "Service", "ServiceAccount", "PersistentVolumeClaim"}
 DEFAULT_KINDS |= {"PodDisruptionBudget"}
-# Settings the chart already sets for the server to honour (README "Multi-GPU").
-AWAITING_SERVER = {"SPECSERVE_TENSOR_PARALLEL_SIZE"}
 # Values passed to Kubernetes as they are; documented as one row each.
 FREE_FORM_VALUES = {"resources", "podSecurityContext", "securityContext", "strategy", "labels"}
 
@@ -272,9 +270,7 @@ def test_every_env_var_is_a_server_setting(rendered: Render) -> None:
     fields = {f"SPECSERVE_{name.upper()}" for name in Settings.model_fields}
     for values in CI_VALUES:
         names = {name for name in env(rendered(values)) if name.startswith("SPECSERVE_")}
-        assert names - fields <= AWAITING_SERVER, f"{values.name}: not server settings"
-    # Fails once the server has them: then drop them from AWAITING_SERVER.
-    assert not (AWAITING_SERVER & fields)
+        assert names <= fields, f"{values.name}: not server settings: {names - fields}"
 
 
 def test_prometheus_rule_is_deploy_prometheus_rules(rendered: Render, tmp_path: Path) -> None:
