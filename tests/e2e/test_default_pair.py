@@ -3,15 +3,15 @@ pair with speculation, driven by the official `openai` client."""
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
+
+from tests.net import free_port, wait_until_up
 
 pytestmark = pytest.mark.e2e
 
@@ -19,31 +19,16 @@ STARTUP_TIMEOUT_SECONDS = 900
 MESSAGES = [{"role": "user", "content": "Write a Python function that reverses a string."}]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(port)],
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
-        while True:
-            assert server.poll() is None, f"specserve exited with {server.returncode}"
-            assert time.monotonic() < deadline, "specserve did not become healthy"
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
+        wait_until_up(server, f"{url}/health", STARTUP_TIMEOUT_SECONDS)
         yield url
     finally:
         server.send_signal(signal.SIGINT)

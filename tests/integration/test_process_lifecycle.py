@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -20,7 +21,7 @@ import psutil
 import pytest
 
 from tests.integration.conftest import TinyModels
-from tests.net import free_port
+from tests.net import free_port, wait_until_up
 
 pytestmark = pytest.mark.integration
 
@@ -29,21 +30,11 @@ STARTUP_SECONDS = 300
 LONG_BODY = {"model": "tiny", "prompt": "x", "max_tokens": 600, "temperature": 0}
 
 
+@dataclass
 class Process:
-    def __init__(self, popen: subprocess.Popen[str], base_url: str, log: Path) -> None:
-        self.popen, self.base_url, self.log = popen, base_url, log
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_SECONDS
-        while time.monotonic() < deadline:
-            assert self.popen.poll() is None, f"server exited: {self.log.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{self.base_url}/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
-        raise AssertionError("server did not become ready")
+    popen: subprocess.Popen[str]
+    base_url: str
+    log: Path
 
 
 @pytest.fixture
@@ -61,7 +52,7 @@ def serve_process(tiny: TinyModels, tmp_path: Path) -> Iterator[Process]:
         popen = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True)
     process = Process(popen, f"http://127.0.0.1:{port}", log)
     try:
-        process.wait_ready()
+        wait_until_up(popen, f"{process.base_url}/ready", STARTUP_SECONDS, log)
         yield process
     finally:
         if popen.poll() is None:
