@@ -1,6 +1,8 @@
 """Per-tenant rate limits: buckets, OpenAI's 429 shape and headers, key-file limits."""
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
@@ -72,40 +74,44 @@ def test_reset_durations_use_openai_format(seconds: float, text: str) -> None:
     assert format_duration(seconds) == text
 
 
-async def test_over_limit_requests_get_429_with_openai_headers() -> None:
-    keys = KeyRing({"sk-a": "team-a"}, {"team-a": TenantLimits(requests_per_minute=2)})
-    app = create_app(ScriptedEngine(), api_keys=keys)
-    transport = httpx.ASGITransport(app=app)
+@asynccontextmanager
+async def tenant_client(limits: TenantLimits) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the app whose only key belongs to a tenant with `limits`."""
+    keys = KeyRing({"sk-a": "team-a"}, {"team-a": limits})
+    transport = httpx.ASGITransport(app=create_app(ScriptedEngine(), api_keys=keys))
     headers = {"Authorization": "Bearer sk-a"}
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-        first = await client.post("/v1/completions", json=BODY, headers=headers)
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://test", headers=headers
+    ) as client:
+        yield client
+
+
+async def test_over_limit_requests_get_429_with_openai_headers() -> None:
+    async with tenant_client(TenantLimits(requests_per_minute=2)) as client:
+        first = await client.post("/v1/completions", json=BODY)
         assert first.status_code == 200
         assert first.headers["x-ratelimit-limit-requests"] == "2"
         assert first.headers["x-ratelimit-remaining-requests"] == "1"
         assert first.headers["x-ratelimit-reset-requests"].endswith("s")
         stream = {**BODY, "stream": True}
-        second = await client.post("/v1/completions", json=stream, headers=headers)
+        second = await client.post("/v1/completions", json=stream)
         assert second.status_code == 200
         assert second.headers["x-ratelimit-remaining-requests"] == "0"
-        third = await client.post("/v1/chat/completions", json={}, headers=headers)
+        third = await client.post("/v1/chat/completions", json={})
         assert third.status_code == 429
         assert third.json()["error"]["code"] == "rate_limit_exceeded"
         assert third.json()["error"]["type"] == "requests"
         assert int(third.headers["retry-after"]) >= 1
         assert third.headers["x-ratelimit-remaining-requests"] == "0"
         # Listing models is not rate limited.
-        assert (await client.get("/v1/models", headers=headers)).status_code == 200
+        assert (await client.get("/v1/models")).status_code == 200
 
 
 async def test_generated_tokens_are_charged_to_the_tenant() -> None:
-    keys = KeyRing({"sk-a": "team-a"}, {"team-a": TenantLimits(tokens_per_minute=100)})
-    app = create_app(ScriptedEngine(), api_keys=keys)
-    transport = httpx.ASGITransport(app=app)
-    headers = {"Authorization": "Bearer sk-a"}
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-        first = await client.post("/v1/completions", json=BODY, headers=headers)
+    async with tenant_client(TenantLimits(tokens_per_minute=100)) as client:
+        first = await client.post("/v1/completions", json=BODY)
         used = first.json()["usage"]["total_tokens"]
-        second = await client.post("/v1/completions", json=BODY, headers=headers)
+        second = await client.post("/v1/completions", json=BODY)
     assert first.headers["x-ratelimit-remaining-tokens"] == "100"
     # The bucket refills 100/60 tokens a second; allow a slow machine a second.
     assert 100 - used <= int(second.headers["x-ratelimit-remaining-tokens"]) <= 100 - used + 2
