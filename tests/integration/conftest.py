@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import uvicorn
+from fastapi import FastAPI
 
 from server.app import create_app
 from server.engine.vllm_engine import EngineConfig, VllmEngine
@@ -36,6 +37,7 @@ class RunningServer:
     engine: VllmEngine
     base_url: str
     model: str
+    app: FastAPI
 
 
 @pytest.fixture(scope="session")
@@ -80,7 +82,7 @@ async def serve(config: EngineConfig, **app_options: Any) -> AsyncIterator[Runni
             raise RuntimeError("server stopped during startup")
         await asyncio.sleep(0.2)
     try:
-        yield RunningServer(engine, f"http://127.0.0.1:{port}", config.served_model_name)
+        yield RunningServer(engine, f"http://127.0.0.1:{port}", config.served_model_name, app)
     finally:
         server.should_exit = True
         await task

@@ -1,7 +1,8 @@
 """Many streaming clients at once against the real engine with tight admission
 bounds: some hang up mid-stream, some are over the limit. Every finished
 stream must be correct, every refusal a 503 with Retry-After, and afterwards
-nothing is left running and the server still answers."""
+nothing is left running and the server still answers. A request past its
+deadline is stopped in the engine too."""
 
 import asyncio
 import json
@@ -117,3 +118,26 @@ async def test_concurrent_streams_with_disconnects_and_refusals(
         f"\n{CLIENTS} clients: {len(finished)} finished, {hang_ups.count(True)} hung up, "
         f"{len(refused)} refused with 503"
     )
+
+
+async def test_a_deadline_aborts_the_real_generation(admission_server: RunningServer) -> None:
+    # Hundreds of tokens take seconds on the tiny model; the deadline is 0.3 s.
+    long_body = {**BODY, "prompt": "x", "max_tokens": 450}
+    admission_server.app.state.request_timeout_seconds = 0.3
+    try:
+        async with httpx.AsyncClient(base_url=admission_server.base_url, timeout=300) as http:
+            plain = await http.post("/v1/completions", json=long_body)
+            streamed = await http.post("/v1/completions", json={**long_body, "stream": True})
+    finally:
+        admission_server.app.state.request_timeout_seconds = None
+    assert plain.status_code == 504
+    assert plain.json()["error"]["code"] == "request_timeout"
+    events = [line for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "request_timeout"
+    assert events[-1] == "data: [DONE]"
+    llm = admission_server.engine._llm
+    for _ in range(50):
+        if llm.get_num_unfinished_requests() == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert llm.get_num_unfinished_requests() == 0
