@@ -39,6 +39,16 @@ class RunningServer:
     model: str
     app: FastAPI
 
+    async def wait_engine_idle(self, seconds: float) -> None:
+        """Wait up to `seconds` for the engine to hold no unfinished request."""
+        llm = self.engine._llm
+        assert llm is not None
+        for _ in range(round(seconds * 10)):
+            if llm.get_num_unfinished_requests() == 0:
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError("engine still has unfinished requests")
+
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:

@@ -101,12 +101,7 @@ async def test_concurrent_streams_with_disconnects_and_refusals(
             assert outcome.error is not None and outcome.error["code"] == "server_overloaded"
             assert outcome.retry_after is not None and int(outcome.retry_after) >= 1
 
-        llm = admission_server.engine._llm
-        for _ in range(100):
-            if llm.get_num_unfinished_requests() == 0:
-                break
-            await asyncio.sleep(0.1)
-        assert llm.get_num_unfinished_requests() == 0
+        await admission_server.wait_engine_idle(10)
         assert await _metric(http, "specserve_requests_running") == 0
         assert await _metric(http, "specserve_requests_queued") == 0
         in_flight = 'specserve_requests_in_flight{endpoint="/v1/completions"}'
@@ -135,9 +130,4 @@ async def test_a_deadline_aborts_the_real_generation(admission_server: RunningSe
     events = [line for line in streamed.text.splitlines() if line.startswith("data: ")]
     assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "request_timeout"
     assert events[-1] == "data: [DONE]"
-    llm = admission_server.engine._llm
-    for _ in range(50):
-        if llm.get_num_unfinished_requests() == 0:
-            break
-        await asyncio.sleep(0.1)
-    assert llm.get_num_unfinished_requests() == 0
+    await admission_server.wait_engine_idle(5)

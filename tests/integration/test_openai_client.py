@@ -1,7 +1,5 @@
 """The official `openai` client against specserve on the real vLLM engine."""
 
-import asyncio
-
 import httpx
 import openai
 import pytest
@@ -188,15 +186,9 @@ def _watch_aborts(server: RunningServer) -> list[str]:
     return aborted
 
 
-async def _wait_idle(server: RunningServer) -> None:
-    """Wait for the engine to drop the request: 5 s, a quarter of what the
-    LONG request takes to finish on its own (19 s measured)."""
-    llm = server.engine._llm
-    for _ in range(50):
-        if llm.get_num_unfinished_requests() == 0:
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError("engine still has unfinished requests")
+# The LONG request takes 19 s to finish on its own (measured): an engine idle
+# within a quarter of that was aborted, not finished.
+IDLE_SECONDS = 5.0
 
 
 async def test_stream_disconnect_aborts_the_engine_request(plain_server: RunningServer) -> None:
@@ -209,7 +201,7 @@ async def test_stream_disconnect_aborts_the_engine_request(plain_server: Running
         async for line in response.aiter_lines():
             if line.startswith("data: {"):
                 break
-    await _wait_idle(plain_server)
+    await plain_server.wait_engine_idle(IDLE_SECONDS)
     assert len(aborted) == 1 and aborted[0].startswith("cmpl-")
 
 
@@ -221,5 +213,5 @@ async def test_non_streaming_disconnect_aborts_the_engine_request(
     async with httpx.AsyncClient(base_url=plain_server.base_url, timeout=1.0) as http:
         with pytest.raises(httpx.ReadTimeout):
             await http.post("/v1/completions", json=body)
-    await _wait_idle(plain_server)
+    await plain_server.wait_engine_idle(IDLE_SECONDS)
     assert len(aborted) == 1 and aborted[0].startswith("cmpl-")
