@@ -23,6 +23,7 @@ from server.api.auth import ApiKeyMiddleware
 from server.api.body_limit import BodySizeLimitMiddleware
 from server.api.instrumentation import RequestMetricsMiddleware
 from server.api.request_id import RequestIdMiddleware
+from server.api.responses import CLIENT_CLOSED_REQUEST
 from server.auth import KeyRing
 from server.config import (
     DEFAULT_MAX_BODY_BYTES,
@@ -31,7 +32,13 @@ from server.config import (
     DEFAULT_QUEUE_TIMEOUT_SECONDS,
 )
 from server.engine.base import Engine
-from server.errors import APIError, InternalError, InvalidRequestError, NotFoundError
+from server.errors import (
+    APIError,
+    InternalError,
+    InvalidRequestError,
+    NotFoundError,
+    error_statuses,
+)
 from server.lifecycle import Lifecycle
 from server.rate_limit import RateLimiter
 
@@ -83,7 +90,9 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         lifecycle.loaded = True
-        server_metrics.describe_server(engine.info(), baseline_tpot_seconds)
+        server_metrics.describe_server(
+            engine.info(), baseline_tpot_seconds, [*error_statuses(), CLIENT_CLOSED_REQUEST]
+        )
         watchdog = asyncio.create_task(lifecycle.watch_engine(engine))
         try:
             yield

@@ -50,6 +50,17 @@ class APIError(Exception):
         return f"data: {json.dumps(self.to_body())}\n\n"
 
 
+def error_statuses() -> list[int]:
+    """Every HTTP status an `APIError` can carry, ascending."""
+    statuses = set()
+    pending: list[type[APIError]] = [APIError]
+    while pending:
+        cls = pending.pop()
+        statuses.add(cls.status)
+        pending.extend(cls.__subclasses__())
+    return sorted(statuses)
+
+
 class InvalidRequestError(APIError):
     status = 400
     type = "invalid_request_error"

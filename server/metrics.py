@@ -24,7 +24,7 @@ Derived figures, in PromQL:
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -32,6 +32,10 @@ from prometheus_client import Counter, Gauge, Histogram
 from server.engine.base import EngineInfo, EngineOutput, SpeculationStats
 
 ANONYMOUS_TENANT = "anonymous"
+# Endpoint labels are this fixed set (plus "/v1/models/{model}" and "other"),
+# so clients cannot grow it; generation endpoints are those reaching the engine.
+GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+KNOWN_ENDPOINTS = (*GENERATION_ENDPOINTS, "/v1/models", "/health", "/ready", "/metrics")
 SPECULATION_WINDOW_SECONDS = 60.0
 
 # From 1 ms (GPU decode steps) to 2 minutes (a long CPU request).
@@ -125,17 +129,36 @@ BASELINE_TPOT = Gauge(
 )  # fmt: skip
 
 
-def describe_server(info: EngineInfo, baseline_tpot_seconds: float | None) -> None:
-    """Publish the configuration and create the speculation series at zero,
-    so rates over the first requests are complete."""
+def describe_server(
+    info: EngineInfo, baseline_tpot_seconds: float | None, error_statuses: Iterable[int]
+) -> None:
+    """Publish the configuration and create, at zero, every series whose labels
+    are known at startup, so `rate()` sees the first requests after a start.
+
+    From startup: requests by endpoint with status 200 (every endpoint) and
+    each of `error_statuses` (generation endpoints); latency histograms and
+    token counters per generation endpoint (tenant "anonymous"); speculation
+    counters per draft position. Later, at their first request: series of
+    keyed tenants and of statuses outside that set.
+    """
+    model = info.model_name
     k = info.speculation.num_speculative_tokens if info.speculation else 0
-    SPECULATIVE_TOKENS.labels(info.model_name).set(k)
+    SPECULATIVE_TOKENS.labels(model).set(k)
     if baseline_tpot_seconds is not None:
-        BASELINE_TPOT.labels(info.model_name).set(baseline_tpot_seconds)
+        BASELINE_TPOT.labels(model).set(baseline_tpot_seconds)
+    for endpoint in KNOWN_ENDPOINTS:
+        REQUESTS.labels(endpoint, "200")
+    for endpoint in GENERATION_ENDPOINTS:
+        for status in error_statuses:
+            REQUESTS.labels(endpoint, str(status))
+        for histogram in (TTFT, ITL, TPOT, E2E):
+            histogram.labels(model, endpoint)
+        for counter in (PROMPT_TOKENS, GENERATION_TOKENS):
+            counter.labels(model, endpoint, ANONYMOUS_TENANT)
     for counter in (SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED_TOKENS):
-        counter.labels(info.model_name, ANONYMOUS_TENANT)
+        counter.labels(model, ANONYMOUS_TENANT)
     for position in range(k):
-        SPEC_ACCEPTED_PER_POSITION.labels(info.model_name, ANONYMOUS_TENANT, str(position))
+        SPEC_ACCEPTED_PER_POSITION.labels(model, ANONYMOUS_TENANT, str(position))
 
 
 class SpeculationWindow:

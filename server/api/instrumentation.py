@@ -11,17 +11,9 @@ import time
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.metrics import IN_FLIGHT, REQUESTS
+from server.metrics import IN_FLIGHT, KNOWN_ENDPOINTS, REQUESTS
 
 ARRIVAL = "specserve_arrival"
-KNOWN_ENDPOINTS = (
-    "/v1/completions",
-    "/v1/chat/completions",
-    "/v1/models",
-    "/health",
-    "/ready",
-    "/metrics",
-)
 
 
 def endpoint_label(path: str) -> str:

@@ -8,14 +8,14 @@ speculation figures the responses reported.
 import asyncio
 import shutil
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-from tests.integration.conftest import RunningServer
+from tests.integration.conftest import RunningServer, TinyModels, serve, tiny_engine_config
 from tests.net import free_port
 
 pytestmark = pytest.mark.integration
@@ -44,14 +44,23 @@ def test_promtool_accepts_the_deploy_files(args: list[str]) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.fixture(scope="module")
+async def fresh_server(tiny: TinyModels) -> AsyncIterator[RunningServer]:
+    """A server of its own (a model name no other test uses), so the first
+    request Prometheus sees is the first this model's series ever counted."""
+    config = tiny_engine_config(tiny, tiny.close_draft, served_model_name="tiny-prom")
+    async for running in serve(config):
+        yield running
+
+
 @pytest.fixture
-async def prometheus(spec_server: RunningServer, tmp_path: Path) -> AsyncIterator[str]:
-    """A Prometheus on loopback scraping `spec_server` every second with our rules."""
+async def prometheus(fresh_server: RunningServer, tmp_path: Path) -> AsyncIterator[str]:
+    """A Prometheus on loopback scraping `fresh_server` every second with our rules."""
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
     config["rule_files"] = [str(DEPLOY / "rules.yml")]
     config["scrape_configs"][0]["static_configs"] = [
-        {"targets": [spec_server.base_url.removeprefix("http://")]}
+        {"targets": [fresh_server.base_url.removeprefix("http://")]}
     ]
     config_file = tmp_path / "prometheus.yml"
     config_file.write_text(yaml.safe_dump(config))
@@ -88,33 +97,55 @@ async def _query(http: httpx.AsyncClient, expr: str) -> dict[str, float]:
     return values
 
 
-async def _wait_for(http: httpx.AsyncClient, expr: str, expected: dict[str, float]) -> None:
+async def _wait_until(
+    http: httpx.AsyncClient, expr: str, holds: Callable[[dict[str, float]], bool], wanted: str
+) -> None:
     last: dict[str, float] = {}
     for _ in range(60):
         last = await _query(http, expr)
-        if last.keys() == expected.keys() and all(
-            last[k] == pytest.approx(v, rel=1e-9) for k, v in expected.items()
-        ):
+        if holds(last):
             return
         await asyncio.sleep(0.5)
-    raise AssertionError(f"{expr}: got {last}, expected {expected}")
+    raise AssertionError(f"{expr}: got {last}, expected {wanted}")
+
+
+async def _wait_for(http: httpx.AsyncClient, expr: str, expected: dict[str, float]) -> None:
+    await _wait_until(
+        http,
+        expr,
+        lambda last: (
+            last.keys() == expected.keys()
+            and all(last[k] == pytest.approx(v, rel=1e-9) for k, v in expected.items())
+        ),
+        str(expected),
+    )
+
+
+def _positive(last: dict[str, float]) -> bool:
+    return last.keys() == {""} and last[""] > 0
 
 
 async def test_recording_rules_reproduce_the_responses(
-    spec_server: RunningServer, prometheus: str
+    fresh_server: RunningServer, prometheus: str
 ) -> None:
+    model = '{model="tiny-prom"}'
     async with httpx.AsyncClient(base_url=prometheus, timeout=30) as prom:
-        # A first scrape sees the counters before the workload.
-        await _wait_for(prom, 'count(up{job="specserve"} == 1)', {"": 1.0})
-        await asyncio.sleep(1.5)
+        # Before any request, a scrape already holds every series at zero: the
+        # server creates them at startup, so `rate()` sees the first requests
+        # however fast the machine serves them.
+        for series in (
+            "specserve_time_to_first_token_seconds_count",
+            "specserve_e2e_request_latency_seconds_count",
+            "specserve_generation_tokens_total",
+            "specserve_spec_decode_draft_tokens_total",
+        ):
+            await _wait_for(prom, f"sum({series}{model})", {"": 0.0})
         totals = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
         per_position = [0, 0, 0]
-        async with httpx.AsyncClient(base_url=spec_server.base_url, timeout=120) as http:
+        async with httpx.AsyncClient(base_url=fresh_server.base_url, timeout=120) as http:
             for prompt in ("def add(a, b):", "The weather today", "import os\n"):
-                response = await http.post(
-                    "/v1/completions",
-                    json={"model": "tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0},
-                )
+                body = {"model": "tiny-prom", "prompt": prompt, "max_tokens": 40, "temperature": 0}
+                response = await http.post("/v1/completions", json=body)
                 summary = response.json()["speculation"]
                 for key in totals:
                     totals[key] += summary[key]
@@ -125,23 +156,20 @@ async def test_recording_rules_reproduce_the_responses(
         # The whole run sits inside the rules' one-minute window, so the ratio
         # of rates is the ratio of what the responses reported. Other test
         # servers in this process export other models: select ours.
-        tiny = '{model="tiny"}'
         await _wait_for(
             prom,
-            f"specserve:spec_decode_acceptance_rate:rate1m{tiny}",
+            f"specserve:spec_decode_acceptance_rate:rate1m{model}",
             {"": totals["accepted_tokens"] / totals["draft_tokens"]},
         )
         await _wait_for(
             prom,
-            f"specserve:spec_decode_mean_acceptance_length:rate1m{tiny}",
+            f"specserve:spec_decode_mean_acceptance_length:rate1m{model}",
             {"": 1 + totals["accepted_tokens"] / totals["drafts"]},
         )
         await _wait_for(
             prom,
-            f"specserve:spec_decode_position_acceptance_rate:rate1m{tiny}",
+            f"specserve:spec_decode_position_acceptance_rate:rate1m{model}",
             {str(p): n / totals["drafts"] for p, n in enumerate(per_position)},
         )
-        ttft = await _query(prom, f"specserve:time_to_first_token_seconds:p95{tiny}")
-        assert ttft[""] > 0
-        tokens = await _query(prom, f"specserve:generation_tokens:rate1m{tiny}")
-        assert tokens[""] > 0
+        for rule in ("time_to_first_token_seconds:p95", "generation_tokens:rate1m"):
+            await _wait_until(prom, f"specserve:{rule}{model}", _positive, "one value above 0")

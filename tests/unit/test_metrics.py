@@ -1,15 +1,17 @@
 """specserve's metrics and per-request speculation stats, over the scripted engine."""
 
 import math
+from dataclasses import replace
 
 import httpx
 import pytest
 from prometheus_client import REGISTRY
 
 from server.api.instrumentation import endpoint_label
-from server.engine.base import SpeculationStats
+from server.app import create_app
+from server.engine.base import EngineInfo, SpeculationStats
 from server.metrics import SpeculationWindow
-from tests.unit.scripted_engine import SCRIPTED_SPECULATION
+from tests.unit.scripted_engine import SCRIPTED_SPECULATION, ScriptedEngine
 from tests.unit.sse import events
 
 
@@ -143,3 +145,36 @@ def test_speculation_window_forgets_old_requests() -> None:
     assert window.mean_acceptance_length() == 1.0
     now[0] = 200.0
     assert math.isnan(window.mean_acceptance_length())
+
+
+class _FreshModelEngine(ScriptedEngine):
+    """A model name no other test uses, so its series start from nothing."""
+
+    def info(self) -> EngineInfo:
+        return replace(super().info(), model_name="fresh-at-startup")
+
+
+async def test_startup_creates_the_latency_and_count_series_at_zero() -> None:
+    app = create_app(_FreshModelEngine())
+    latency = {"model": "fresh-at-startup", "endpoint": "/v1/chat/completions"}
+    assert REGISTRY.get_sample_value("specserve_time_to_first_token_seconds_count", latency) is None
+    async with app.router.lifespan_context(app):
+        for name in (
+            "specserve_time_to_first_token_seconds_count",
+            "specserve_inter_token_latency_seconds_count",
+            "specserve_time_per_output_token_seconds_count",
+            "specserve_e2e_request_latency_seconds_count",
+        ):
+            assert REGISTRY.get_sample_value(name, latency) == 0, name
+        tokens = {**latency, "tenant": "anonymous"}
+        assert REGISTRY.get_sample_value("specserve_generation_tokens_total", tokens) == 0
+        assert REGISTRY.get_sample_value("specserve_prompt_tokens_total", tokens) == 0
+        for status in ("200", "400", "429", "499", "503", "504"):
+            labels = {"endpoint": "/v1/chat/completions", "status": status}
+            assert REGISTRY.get_sample_value("specserve_requests_total", labels) is not None
+        assert (
+            REGISTRY.get_sample_value(
+                "specserve_requests_total", {"endpoint": "/health", "status": "200"}
+            )
+            is not None
+        )
