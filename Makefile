@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 ENGINE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 INSTALLED := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: install models tools serve test lint bench bench-loadtest image-test
+.PHONY: install models tools serve test lint bench bench-loadtest bench-autopilot image-test
 
 install: $(INSTALLED)
 
@@ -72,3 +72,7 @@ bench: models
 # Speculation on/off per workload and specserve vs vLLM's server (docs/benchmarks.md).
 bench-loadtest: models
 	$(BIN)/python scripts/bench_loadtest.py --out loadtest-results/bench
+
+# Speculation auto vs fixed K=2 / K=4, each against no speculation ("Never slower").
+bench-autopilot: models
+	$(BIN)/python scripts/bench_autopilot.py --out loadtest-results/autopilot

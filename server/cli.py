@@ -24,6 +24,7 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--port", {"type": int}),
     ("--model", {}),
     ("--draft-model", {}),
+    ("--speculation", {"choices": ["auto", "fixed"]}),
     ("--speculative-method", {"choices": ["draft_model", "ngram"]}),
     ("--num-speculative-tokens", {"type": int}),
     ("--speculation-max-batch-size", {"type": int}),
@@ -91,10 +92,11 @@ def _serve(settings: Settings) -> int:
         logger.info("API keys loaded for %d tenants", len(keys.tenants))
     engine_config = resolve(settings)
     logger.info(
-        "serving %s (draft %s, method %s, K=%d)",
+        "serving %s (draft %s, method %s, speculation %s, K=%d)",
         engine_config.model,
         engine_config.draft_model,
         engine_config.speculative_method,
+        engine_config.speculation_mode,
         engine_config.num_speculative_tokens,
     )
     admission = AdmissionController(

@@ -13,12 +13,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "specserve" / "models"
 
-# Measured on the embedded pair on a 2-core CPU (README "Benchmarks"): K=2
-# has the best draft acceptance (0.95 on code) and the best batch-1 speed of
-# K=1..3, and at a batch of 2 every K is slower than no speculation
-# (0.59-0.81x), so speculation runs only while one request is decoding.
+# Fixed mode (measured on the embedded pair on a 2-core CPU, README
+# "Benchmarks"): K=2 has the best batch-1 speed of K=1..3, and at a batch of 2
+# every K is slower than no speculation, so it speculates only at batch 1.
 DEFAULT_NUM_SPECULATIVE_TOKENS = 2
 DEFAULT_SPECULATION_MAX_BATCH_SIZE = 1
+# Auto mode: the largest K the autopilot may pick; it picks per step (0 included).
+DEFAULT_MAX_SPECULATIVE_TOKENS_AUTO = 4
 # Far above a full 32k-token prompt as JSON; bounds what one client can make us buffer.
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 # Admission: as many requests in the engine as it batches by default, and a
@@ -54,14 +55,23 @@ class Settings(BaseSettings):
         description="draft_model uses --draft-model; ngram proposes tokens by "
         "prompt lookup and needs no draft.",
     )
-    num_speculative_tokens: int = Field(
-        DEFAULT_NUM_SPECULATIVE_TOKENS, description="Draft tokens proposed per step (K)."
+    speculation: Literal["auto", "fixed"] = Field(
+        "auto",
+        description="auto: the autopilot measures draft cost and acceptance on this "
+        "machine and traffic and picks K (0 included, the draft then idle) every engine "
+        "step; fixed: K from --num-speculative-tokens up to --speculation-max-batch-size.",
+    )
+    num_speculative_tokens: int | None = Field(
+        None,
+        description="Draft tokens per step (K) in fixed mode (default "
+        f"{DEFAULT_NUM_SPECULATIVE_TOKENS}); the largest K in auto mode (default "
+        f"{DEFAULT_MAX_SPECULATIVE_TOKENS_AUTO}).",
     )
     speculation_max_batch_size: int = Field(
         DEFAULT_SPECULATION_MAX_BATCH_SIZE,
         ge=1,
-        description="Speculate only while at most this many requests share an "
-        "engine step; larger batches decode without a draft.",
+        description="Fixed mode: speculate only while at most this many requests share "
+        "an engine step; larger batches decode without a draft.",
     )
     no_speculation: bool = Field(
         False, description="Serve the target alone, without any speculation."
@@ -73,13 +83,20 @@ class Settings(BaseSettings):
         None, ge=16, description="Context length; defaults to the model's own."
     )
     dtype: Literal["bfloat16", "float32", "auto"] = Field(
-        "bfloat16", description="Weight and activation dtype."
+        "auto",
+        description="Weight and activation dtype. auto: on a GPU the model's own; on a "
+        "CPU bfloat16 where it is native (avx512_bf16 or amx_bf16), else float32.",
     )
     seed: int = Field(0, description="Engine seed for reproducible sampling.")
     cache_dir: Path = Field(
         DEFAULT_CACHE_DIR, description="Where the embedded model pair is cached."
     )
-    kv_cache_gib: int = Field(2, ge=1, description="KV cache size in GiB (CPU).")
+    kv_cache_gib: int | None = Field(
+        None,
+        ge=1,
+        description="KV cache size in GiB (CPU). Unset: enough for one full-context "
+        "sequence of target plus draft in the chosen dtype, at least 2.",
+    )
     max_num_seqs: int = Field(16, ge=1, description="Most requests in one engine step.")
     tensor_parallel_size: int = Field(
         1, ge=1, description="GPUs of this node the target model is split across."
@@ -133,7 +150,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> "Settings":
-        if self.num_speculative_tokens < 1:
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
             raise ValueError(
                 f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}; "
                 "use --no-speculation to turn speculation off"
@@ -160,6 +177,15 @@ class Settings(BaseSettings):
                 "a custom model needs --draft-model, --speculative-method ngram or --no-speculation"
             )
         return self
+
+    @property
+    def speculative_tokens(self) -> int:
+        """K in fixed mode, the largest K in auto mode."""
+        if self.num_speculative_tokens is not None:
+            return self.num_speculative_tokens
+        if self.speculation == "auto":
+            return DEFAULT_MAX_SPECULATIVE_TOKENS_AUTO
+        return DEFAULT_NUM_SPECULATIVE_TOKENS
 
     @property
     def uses_embedded_pair(self) -> bool:

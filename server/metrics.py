@@ -127,6 +127,44 @@ BASELINE_TPOT = Gauge(
     "Measured no-speculation TPOT given with --baseline-tpot-seconds (absent if unknown)",
     ["model"],
 )  # fmt: skip
+ENGINE_DTYPE = Gauge(
+    "specserve_engine_dtype_info",
+    "Always 1; dtype is what the weights run in (set by --dtype or chosen for the hardware)",
+    ["model", "dtype"],
+)  # fmt: skip
+
+
+SPECULATION_K_IN_FORCE = Gauge(
+    "specserve_speculation_k_in_force",
+    "K the draft proposed at the last engine step (0: the draft idled)",
+    ["model"],
+)  # fmt: skip
+SPECULATION_STEPS = Counter(
+    "specserve_speculation_steps_total", "Engine steps by the K they proposed", ["model", "k"]
+)
+SPECULATION_IDLE_STEPS = Counter(
+    "specserve_speculation_idle_steps_total",
+    "Engine steps with K=0, by why (not_paying, batch_too_large, disabled, calibrating)",
+    ["model", "reason"],
+)  # fmt: skip
+SPECULATION_PREDICTED_SPEEDUP = Gauge(
+    "specserve_speculation_predicted_speedup",
+    "The autopilot's predicted tokens/s at its K over tokens/s without speculation",
+    ["model"],
+)  # fmt: skip
+SPECULATION_MEASURED_SPEEDUP = Gauge(
+    "specserve_speculation_measured_speedup",
+    "Measured tokens/s of recent decode steps over the fitted no-speculation tokens/s",
+    ["model"],
+)  # fmt: skip
+DRAFT_FORWARD_PASSES = Counter(
+    "specserve_draft_forward_passes_total", "Forward passes of the draft model", ["model"]
+)
+DRAFT_CAUGHT_UP_TOKENS = Counter(
+    "specserve_draft_caught_up_tokens_total",
+    "Tokens the draft prefilled when speculation resumed after K=0 steps",
+    ["model"],
+)  # fmt: skip
 
 
 def describe_server(
@@ -144,6 +182,7 @@ def describe_server(
     model = info.model_name
     k = info.speculation.num_speculative_tokens if info.speculation else 0
     SPECULATIVE_TOKENS.labels(model).set(k)
+    ENGINE_DTYPE.labels(model, info.dtype).set(1)
     if baseline_tpot_seconds is not None:
         BASELINE_TPOT.labels(model).set(baseline_tpot_seconds)
     for endpoint in KNOWN_ENDPOINTS:

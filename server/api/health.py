@@ -3,7 +3,9 @@
 /health is 200 while the engine is alive and stays 200 while draining, so an
 orchestrator does not kill a pod that is finishing its requests. /ready is 200
 only when the models are loaded, the engine is alive and the server is not
-draining: it is what takes a replica out of a load balancer.
+draining: it is what takes a replica out of a load balancer. /health's body
+also says what the engine runs: the model and its dtype, with the reason the
+dtype was chosen (`details`).
 """
 
 from fastapi import APIRouter, Request
@@ -21,7 +23,9 @@ router = APIRouter()
 async def health(engine: EngineDep) -> JSONResponse:
     if not await engine.check_health():
         raise EngineUnavailableError("the engine is not healthy")
-    return JSONResponse({"status": "ok"})
+    info = engine.info()
+    details = {"model": info.model_name, "dtype": info.dtype, "dtype_reason": info.dtype_reason}
+    return JSONResponse({"status": "ok", "details": details})
 
 
 @router.get("/ready", responses=error_responses(503))

@@ -9,7 +9,7 @@ here imports vllm or torch.
 """
 
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -57,6 +57,10 @@ class SpeculationStats:
     draft_tokens: int
     accepted_tokens: int
     accepted_per_position: list[int]
+    # Engine steps of the sequence by the K its drafts were verified at (0: no draft).
+    steps_by_k: dict[int, int] = field(default_factory=dict)
+    # Why the draft idled during the sequence's K=0 steps (the autopilot's reason).
+    idle_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -80,8 +84,9 @@ class EngineOutput:
 @dataclass(frozen=True)
 class SpeculationInfo:
     method: str
-    num_speculative_tokens: int
-    max_batch_size: int
+    num_speculative_tokens: int  # K (fixed) or the largest K (auto)
+    max_batch_size: int  # fixed mode's cut-off
+    mode: str = "fixed"  # "auto": the autopilot picks K each step
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,8 @@ class EngineInfo:
     vocab_size: int
     created: int  # unix time the engine started, reported by /v1/models
     speculation: SpeculationInfo | None = None
+    dtype: str = "unknown"  # what the weights run in, e.g. "float32"
+    dtype_reason: str = ""  # why: "set by --dtype", or what the hardware offers
 
 
 class Engine(Protocol):

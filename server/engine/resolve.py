@@ -1,20 +1,32 @@
 """Turn Settings into an EngineConfig: which models, checked before loading.
 
 The embedded pair is pulled if it is not cached yet. Local folders are checked
-for draft/target compatibility and context length so a bad combination fails
-with one clear message instead of an engine traceback.
+for draft/target compatibility, context length and a KV cache size that cannot
+hold one sequence, so a bad combination fails with one clear message instead
+of an engine traceback.
 """
 
 from pathlib import Path
 
 from server.config import Settings
-from server.engine.compat import check_draft_compatible, check_max_model_len
-from server.engine.vllm_engine import EngineConfig
+from server.engine.compat import check_draft_compatible, check_max_model_len, kv_cache_gib_for
+from server.engine.hardware import choose_dtype
+from server.engine.vllm_engine import EngineConfig, has_gpu
 from server.models import embedded
 
 
 def _is_local(model: str) -> bool:
     return Path(model).expanduser().is_dir()
+
+
+def _check_kv_cache(settings: Settings, models: list[str]) -> None:
+    """A KV size the user set must hold one full-context sequence of `models` in
+    the dtype the engine will run in (unset, the engine sizes it to fit). On a
+    GPU vLLM sizes its cache itself and the setting is unused."""
+    if settings.kv_cache_gib is None or has_gpu():
+        return
+    dtype = choose_dtype(settings.dtype, on_gpu=False).dtype
+    kv_cache_gib_for(settings.kv_cache_gib, models, dtype, settings.max_model_len)
 
 
 def resolve(settings: Settings) -> EngineConfig:
@@ -34,12 +46,14 @@ def resolve(settings: Settings) -> EngineConfig:
             check_draft_compatible(target, draft)
     if _is_local(target):
         check_max_model_len(target, settings.max_model_len)
+        _check_kv_cache(settings, [target] if draft is None else [target, draft])
     return EngineConfig(
         model=target,
         served_model_name=settings.served_model_name or Path(target).name,
         draft_model=draft,
         speculative_method=method,
-        num_speculative_tokens=settings.num_speculative_tokens,
+        speculation_mode=settings.speculation,
+        num_speculative_tokens=settings.speculative_tokens,
         speculation_max_batch_size=settings.speculation_max_batch_size,
         max_model_len=settings.max_model_len,
         dtype=settings.dtype,

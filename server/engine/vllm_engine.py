@@ -6,15 +6,18 @@ sets up the fast CPU runtime when there is no GPU, and maps vLLM's request
 outputs onto the engine contract in `engine/base.py`.
 """
 
+import asyncio
 import logging
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from server.autopilot.feed import AutopilotFeed
 from server.engine.base import (
     ChoiceDelta,
     EngineInfo,
@@ -25,9 +28,15 @@ from server.engine.base import (
     SpeculationStats,
     TokenLogprob,
 )
+from server.engine.compat import kv_cache_gib_for
+from server.engine.hardware import choose_dtype
 from server.errors import EngineUnavailableError, InternalError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
+
+AUTOPILOT_SCHEDULER = "server.engine.autopilot_scheduler.AutopilotScheduler"
+# Drives the autopilot's calibration steps; any text works, code is typical traffic.
+CALIBRATION_PROMPT = "def fibonacci(n):\n    "
 
 
 @dataclass(frozen=True)
@@ -38,14 +47,17 @@ class EngineConfig:
     served_model_name: str
     draft_model: str | None
     speculative_method: str | None  # None: no speculation
-    num_speculative_tokens: int
-    speculation_max_batch_size: int
+    num_speculative_tokens: int  # K in fixed mode, the largest K in auto mode
+    speculation_max_batch_size: int  # fixed mode's cut-off
     max_model_len: int | None
-    dtype: Literal["bfloat16", "float32", "auto"]
+    dtype: Literal["bfloat16", "float32", "auto"]  # auto: chosen for the hardware at start
     seed: int
-    kv_cache_gib: int
+    kv_cache_gib: int | None  # CPU only; None: sized for the dtype at start
     max_num_seqs: int
     tensor_parallel_size: int = 1  # GPUs the target is split across
+    speculation_mode: Literal["auto", "fixed"] = "auto"
+    # Tests only: K forced per engine step ("0x4,3x4,1": K for so many steps, cycled).
+    speculation_script: str | None = None
 
 
 def speculation_schedule(k: int, max_batch_size: int, max_num_seqs: int) -> list[list[int]]:
@@ -71,6 +83,20 @@ def configure_cpu_runtime(kv_cache_gib: int) -> None:
         os.environ["LD_PRELOAD"] = f"{iomp}:{preload}" if preload else str(iomp)
 
 
+def has_gpu() -> bool:
+    """Whether vLLM runs on a GPU here (CPU builds of torch never see one)."""
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def kv_models(config: EngineConfig) -> list[str]:
+    """The models whose layers share the KV cache: the target, then the draft."""
+    if config.speculative_method == "draft_model" and config.draft_model is not None:
+        return [config.model, config.draft_model]
+    return [config.model]
+
+
 class VllmEngine:
     """`Engine` backed by vLLM's AsyncLLM."""
 
@@ -79,42 +105,57 @@ class VllmEngine:
         self._llm: Any = None
         self._tokenizer: Any = None
         self._info: EngineInfo | None = None
+        self._feed: AutopilotFeed | None = None
 
     async def start(self) -> None:
-        import torch
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         config = self._config
-        on_cpu = not torch.cuda.is_available()
+        on_cpu = not has_gpu()
+        choice = choose_dtype(config.dtype, on_gpu=not on_cpu)
+        kv_note = ""
         if on_cpu:
-            configure_cpu_runtime(config.kv_cache_gib)
+            kv_cache_gib = kv_cache_gib_for(
+                config.kv_cache_gib, kv_models(config), choice.dtype, config.max_model_len
+            )
+            configure_cpu_runtime(kv_cache_gib)
+            kv_note = f"; KV cache {os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB"
+        logger.info("dtype %s: %s%s", choice.dtype, choice.reason, kv_note)
+        autopilot = self._prepare_autopilot()
         args = AsyncEngineArgs(
             model=config.model,
             served_model_name=config.served_model_name,
-            dtype=config.dtype,
+            dtype=choice.dtype,
             seed=config.seed,
             max_model_len=config.max_model_len,  # type: ignore[arg-type]  # None: model's own
             max_num_seqs=config.max_num_seqs,
             tensor_parallel_size=config.tensor_parallel_size,
-            speculative_config=self._speculative_config(),
-            # vLLM refuses per-request speculation metrics without speculation.
+            speculative_config=self._speculative_config(autopilot),
+            scheduler_cls=AUTOPILOT_SCHEDULER if autopilot else None,
+            # vLLM refuses per-request speculation metrics without speculation;
+            # "detailed" lists each verify step's draft count (the K it used).
             per_request_spec_decode_metrics="none"
             if config.speculative_method is None
-            else "summary",
+            else "detailed",
             # Compiled mode starts ~140 s slower on CPU for 3-7% more speed.
             enforce_eager=on_cpu,
             disable_log_stats=False,
         )
         self._llm = AsyncLLM.from_engine_args(args)
         self._tokenizer = AutoTokenizer.from_pretrained(config.model)
+        if self._feed is not None:
+            self._feed.start()
+            if config.speculation_mode == "auto" and config.speculation_script is None:
+                await self._calibrate()
         speculation = None
         if config.speculative_method is not None:
             speculation = SpeculationInfo(
                 method=config.speculative_method,
                 num_speculative_tokens=config.num_speculative_tokens,
                 max_batch_size=config.speculation_max_batch_size,
+                mode=config.speculation_mode if self._feed is not None else "fixed",
             )
         self._info = EngineInfo(
             model_name=config.served_model_name,
@@ -122,19 +163,78 @@ class VllmEngine:
             vocab_size=self._llm.model_config.get_vocab_size(),
             created=int(time.time()),
             speculation=speculation,
+            # vLLM's resolved dtype: concrete even where "auto" was passed (GPU).
+            dtype=str(self._llm.model_config.dtype).removeprefix("torch."),
+            dtype_reason=choice.reason,
         )
 
-    def _speculative_config(self) -> dict[str, Any] | None:
+    def _prepare_autopilot(self) -> bool:
+        """Environment for the autopilot's scheduler and draft idling in vLLM's
+        processes (set before they spawn); False where this vLLM lacks the hooks."""
+        config = self._config
+        if config.speculative_method is None:
+            return False
+        from server.engine import autopilot_scheduler, draft_sync
+        from server.engine.autopilot_report import SOCKET_ENV
+
+        missing = autopilot_scheduler.missing_hooks()
+        if missing is not None:
+            logger.warning(
+                "speculation autopilot unavailable (this vLLM lacks %s): fixed K=%d",
+                missing,
+                config.num_speculative_tokens,
+            )
+            return False
+        self._feed = AutopilotFeed(config.served_model_name)
+        mode = "script" if config.speculation_script is not None else config.speculation_mode
+        os.environ[autopilot_scheduler.MODE_ENV] = mode
+        os.environ[autopilot_scheduler.MAX_BATCH_ENV] = str(config.speculation_max_batch_size)
+        os.environ[autopilot_scheduler.SCRIPT_ENV] = config.speculation_script or ""
+        os.environ[SOCKET_ENV] = self._feed.path
+        os.environ[draft_sync.ENABLED_ENV] = "1"
+        return True
+
+    async def _calibrate(self) -> None:
+        """Drive the autopilot's calibration (it cycles K through 0..Kmax while
+        its cost model is not ready): a lone request, then four at once."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        started = time.perf_counter()
+        steps = 2 * (self._config.num_speculative_tokens + 1) + 2
+        params = SamplingParams(
+            max_tokens=steps,
+            temperature=0,
+            ignore_eos=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        prompt = TokensPrompt(prompt_token_ids=self.tokenize(CALIBRATION_PROMPT))
+
+        async def run(index: int) -> None:
+            async for _ in self._llm.generate(prompt, params, f"calibrate-{index}"):
+                pass
+
+        for batch in ([0], [1, 2, 3, 4]):
+            await asyncio.gather(*(run(index) for index in batch))
+        assert self._feed is not None
+        logger.info(
+            "speculation autopilot calibrated in %.1f s (cost model ready: %s)",
+            time.perf_counter() - started,
+            self._feed.scheduler().get("cost_ready"),
+        )
+
+    def _speculative_config(self, autopilot: bool) -> dict[str, Any] | None:
         config = self._config
         if config.speculative_method is None:
             return None
+        # With the autopilot the scheduler sets K every step; the table must
+        # still exist, or vLLM pads every request to K drafts.
+        cut_off = config.max_num_seqs if autopilot else config.speculation_max_batch_size
         spec: dict[str, Any] = {
             "method": config.speculative_method,
             "num_speculative_tokens": config.num_speculative_tokens,
             "num_speculative_tokens_per_batch_size": speculation_schedule(
-                config.num_speculative_tokens,
-                config.speculation_max_batch_size,
-                config.max_num_seqs,
+                config.num_speculative_tokens, cut_off, config.max_num_seqs
             ),
         }
         if config.speculative_method == "draft_model":
@@ -148,6 +248,9 @@ class VllmEngine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        if self._feed is not None:
+            self._feed.close()
+            self._feed = None
 
     def info(self) -> EngineInfo:
         assert self._info is not None, "engine not started"
@@ -218,6 +321,9 @@ class VllmEngine:
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
         stream = self._llm.generate(prompt, params, request.request_id)
         finished = False
+        # Per choice: tokens so far, for the K=0 steps of its speculation stats.
+        produced: dict[int, int] = {}
+        idle_before = self._feed.idle_reasons() if self._feed is not None else None
         try:
             while not finished:
                 # Only vLLM's own failures are mapped here; ours stay bugs (500).
@@ -232,9 +338,22 @@ class VllmEngine:
                 except EngineGenerateError as exc:
                     raise InternalError(f"generation failed for {request.request_id}") from exc
                 finished = output.finished
+                choices = []
+                for completion in output.outputs:
+                    produced[completion.index] = produced.get(completion.index, 0) + len(
+                        completion.token_ids
+                    )
+                    speculation = None
+                    if completion.spec_decode_metrics is not None:
+                        speculation = self._speculation_stats(
+                            completion.spec_decode_metrics,
+                            produced[completion.index],
+                            idle_before,
+                        )
+                    choices.append(self._choice(completion, request.sampling.logprobs, speculation))
                 yield EngineOutput(
                     prompt_tokens=len(output.prompt_token_ids or request.prompt_token_ids),
-                    choices=[self._choice(c, request.sampling.logprobs) for c in output.outputs],
+                    choices=choices,
                 )
         finally:
             # A consumer that stops early (client gone, error downstream) must
@@ -243,15 +362,29 @@ class VllmEngine:
                 await stream.aclose()
                 await self.abort(request.request_id)
 
-    def _choice(self, completion: Any, top_count: int | None) -> ChoiceDelta:
+    def _choice(
+        self, completion: Any, top_count: int | None, speculation: SpeculationStats | None
+    ) -> ChoiceDelta:
         return ChoiceDelta(
             index=completion.index,
             text=completion.text,
             token_ids=list(completion.token_ids),
             logprobs=None if top_count is None else self._logprobs(completion, top_count),
             finish_reason=_finish_reason(completion.finish_reason),
-            speculation=_speculation_stats(completion.spec_decode_metrics),
+            speculation=speculation,
         )
+
+    def _speculation_stats(
+        self, metrics: Any, tokens: int, idle_before: Counter[str] | None
+    ) -> SpeculationStats:
+        """vLLM's per-sequence counts, the K of each of its steps, and why the
+        draft idled while it ran (the autopilot's reasons over its lifetime)."""
+        stats = speculation_stats(metrics, tokens)
+        if self._feed is None or idle_before is None or stats.steps_by_k.get(0, 0) == 0:
+            return stats
+        idle = self._feed.idle_reasons() - idle_before
+        reason = idle.most_common(1)[0][0] if idle else None
+        return replace(stats, idle_reason=reason)
 
     def _logprobs(self, completion: Any, top_count: int) -> list[TokenLogprob]:
         entries = []
@@ -287,10 +420,13 @@ def _finish_reason(reason: str | None) -> str | None:
     return reason
 
 
-def _speculation_stats(metrics: Any) -> SpeculationStats | None:
-    """Fold vLLM's per-sequence histogram of accepted draft counts per step."""
-    if metrics is None:
-        return None
+def speculation_stats(metrics: Any, tokens: int) -> SpeculationStats:
+    """Fold vLLM's per-sequence histogram of accepted draft counts per step.
+
+    `tokens` is the sequence's output length: its first token comes from the
+    prefill, each verify step gives its accepted drafts plus one, and every
+    other step (K=0) gives one token.
+    """
     histogram: list[int] = list(metrics.histogram)
     accepted = sum(j * count for j, count in enumerate(histogram))
     # Acceptance is a prefix: a step with j accepted tokens accepted positions 0..j-1.
@@ -298,9 +434,15 @@ def _speculation_stats(metrics: Any) -> SpeculationStats | None:
         sum(histogram[j] for j in range(pos + 1, len(histogram)))
         for pos in range(metrics.num_spec_tokens)
     ]
+    drafts = sum(histogram)
+    steps_by_k = Counter(metrics.per_step_drafted)
+    idle_steps = tokens - 1 - (accepted + drafts)
+    if idle_steps > 0:
+        steps_by_k[0] = idle_steps
     return SpeculationStats(
-        drafts=sum(histogram),
+        drafts=drafts,
         draft_tokens=metrics.num_draft_tokens,
         accepted_tokens=accepted,
         accepted_per_position=per_position,
+        steps_by_k=dict(steps_by_k),
     )

@@ -92,9 +92,12 @@ class SpeculationSummary(BaseModel):
     """
 
     applied: bool
+    # Why no draft was verified: disabled, not_paying, batch_too_large,
+    # calibrating or too_short; None when applied.
     reason: str | None = None
+    mode: str | None = None  # auto (the autopilot picks K per step) or fixed
     method: str | None = None
-    num_speculative_tokens: int | None = None
+    num_speculative_tokens: int | None = None  # K (fixed) or the largest K (auto)
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
@@ -102,6 +105,8 @@ class SpeculationSummary(BaseModel):
     accepted_per_position: list[int] = Field(default_factory=list)
     acceptance_rate: float | None = None
     mean_acceptance_length: float | None = None
+    # Engine steps by the number of drafts they verified ("0": the draft idled).
+    steps_by_k: dict[str, int] = Field(default_factory=dict)
 
 
 class ErrorDetail(BaseModel):

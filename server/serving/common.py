@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 
@@ -165,10 +166,16 @@ def usage(observer: RequestObserver) -> Usage:
 
 
 def speculation_summary(engine: Engine, observer: RequestObserver) -> SpeculationSummary:
-    """What speculation did for this request, from vLLM's per-sequence counts."""
+    """What speculation did for this request, from vLLM's per-sequence counts.
+
+    When no draft was verified, `reason` says why: "disabled" (no speculation
+    on this server), the autopilot's reason for idling the draft while the
+    request ran ("not_paying", "batch_too_large", "calibrating"), or
+    "too_short" (the output ended before a draft could be verified).
+    """
     config = engine.info().speculation
     if config is None:
-        return SpeculationSummary(applied=False, reason="speculation is disabled on this server")
+        return SpeculationSummary(applied=False, reason="disabled")
     stats = observer.speculation
     drafts = sum(s.drafts for s in stats)
     draft_tokens = sum(s.draft_tokens for s in stats)
@@ -177,8 +184,12 @@ def speculation_summary(engine: Engine, observer: RequestObserver) -> Speculatio
     per_position = [
         sum(column) for column in zip(*(s.accepted_per_position for s in stats), strict=True)
     ]
+    steps_by_k: Counter[int] = Counter()
+    for s in stats:
+        steps_by_k.update(s.steps_by_k)
     summary = SpeculationSummary(
         applied=drafts > 0,
+        mode=config.mode,
         method=config.method,
         num_speculative_tokens=config.num_speculative_tokens,
         drafts=drafts,
@@ -187,13 +198,11 @@ def speculation_summary(engine: Engine, observer: RequestObserver) -> Speculatio
         accepted_per_position=per_position,
         acceptance_rate=accepted / draft_tokens if draft_tokens else None,
         mean_acceptance_length=1 + accepted / drafts if drafts else None,
+        steps_by_k={str(k): n for k, n in sorted(steps_by_k.items())},
     )
     if not drafts:
-        summary.reason = (
-            "no draft was verified: more than "
-            f"{config.max_batch_size} requests shared the engine steps, or the output "
-            "was too short to speculate"
-        )
+        reasons = Counter(s.idle_reason for s in stats if s.idle_reason is not None)
+        summary.reason = reasons.most_common(1)[0][0] if reasons else "too_short"
     return summary
 
 

@@ -68,7 +68,9 @@ def tiny_engine_config(tiny: TinyModels, draft: Path | None, **overrides: object
         "draft_model": None if draft is None else str(draft),
         "speculative_method": None if draft is None else "draft_model",
         "num_speculative_tokens": 3,
-        # Tests batch many sequences and still want them speculated.
+        # Fixed K: tests that count drafts need every step to speculate, and
+        # batch many sequences and still want them speculated.
+        "speculation_mode": "fixed",
         "speculation_max_batch_size": 64,
         "max_model_len": 512,
         "dtype": "float32",

@@ -186,9 +186,10 @@ def _watch_aborts(server: RunningServer) -> list[str]:
     return aborted
 
 
-# The LONG request takes 19 s to finish on its own (measured): an engine idle
-# within a quarter of that was aborted, not finished.
-IDLE_SECONDS = 5.0
+# The adapter aborts only a request that has not finished, so one abort
+# recorded proves the request was cut short, however fast the machine. The
+# wait for the idle engine only stops a hang.
+IDLE_SECONDS = 120.0
 
 
 async def test_stream_disconnect_aborts_the_engine_request(plain_server: RunningServer) -> None:

@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +77,15 @@ async def _stream(client: httpx.AsyncClient, started: asyncio.Event) -> list[dic
     raise AssertionError("stream ended without [DONE]")
 
 
+async def _wait_until(check: Callable[[], Awaitable[bool]], what: str, seconds: float) -> None:
+    """Wait up to `seconds` for `check` to hold; the bound only stops a hang."""
+    for _ in range(round(seconds * 10)):
+        if await check():
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{what} within {seconds:g} s")
+
+
 async def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(
     serve_process: Process,
 ) -> None:
@@ -86,10 +95,20 @@ async def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(
         plain = asyncio.create_task(client.post("/v1/completions", json=LONG_BODY))
         for event in started:
             await asyncio.wait_for(event.wait(), timeout=60)
+
+        async def all_admitted() -> bool:
+            text = (await client.get("/metrics")).text
+            return "specserve_requests_running 3.0" in text.splitlines()
+
+        async def not_ready() -> bool:
+            return (await client.get("/ready")).status_code == 503
+
+        # The plain request too holds its slot before the signal, however
+        # soon the streams' first tokens came.
+        await _wait_until(all_admitted, "the three requests were not all admitted", 120)
         signalled = time.monotonic()
         serve_process.popen.send_signal(signal.SIGTERM)
-        await asyncio.sleep(0.5)
-        assert (await client.get("/ready")).status_code == 503
+        await _wait_until(not_ready, "/ready did not turn 503 after SIGTERM", 120)
         assert (await client.get("/health")).status_code == 200
         refused = await client.post("/v1/completions", json={**LONG_BODY, "max_tokens": 1})
         assert refused.status_code == 503

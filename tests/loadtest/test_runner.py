@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from loadtest import cli
-from loadtest.runner import Load, Options, Server, measure
+from loadtest.runner import Load, Options, Server, measure, run_block
 from loadtest.workloads import BUNDLED, RequestSequence, WorkItem, load_jsonl
 
 ITEMS = BUNDLED["prose"]
@@ -85,14 +85,30 @@ async def test_open_loop_respects_max_concurrency() -> None:
     assert scripted.most_in_flight == 2
 
 
+class OnClock(Scripted):
+    """Each chat request takes `step` seconds of a clock only they move."""
+
+    def __init__(self, step: float) -> None:
+        super().__init__("a", [], delay=0.0)
+        self.now, self.step = 0.0, step
+
+    async def handler(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/metrics":
+            self.now += self.step
+        return await super().handler(request)
+
+
 async def test_duration_bound_stops_sending() -> None:
-    server = Scripted("a", [], delay=0.02).server()
-    await measure(
-        [server], ITEMS, Load(concurrency=1), Options(), num_requests=None, duration=0.2,
-        rounds=1, seed=0, show_progress=False,
+    scripted = OnClock(step=0.25)
+    server = scripted.server()
+    await run_block(
+        server, RequestSequence(ITEMS, 0), count=None, seconds=2.0, load=Load(concurrency=1),
+        options=Options(), rng=random.Random(0), origin=0.0, progress=None,
+        clock=lambda: scripted.now,
     )  # fmt: skip
-    # About 10 sequential 20 ms requests fit in 0.2 s; timers on a busy box vary.
-    assert 3 <= len(server.records) <= 11
+    # Sequential requests of 0.25 s: those sent at 0, 0.25, ..., 1.75 s.
+    assert len(server.records) == 8
+    assert server.duration == 2.0
 
 
 def test_poisson_and_bursty_gaps_have_the_requested_rate() -> None:

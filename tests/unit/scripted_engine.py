@@ -48,6 +48,8 @@ class ScriptedEngine:
             vocab_size=1000,
             created=1_700_000_000,
             speculation=SpeculationInfo("draft_model", 3, 1),
+            dtype="float32",
+            dtype_reason="set by --dtype",
         )
 
     def tokenize(self, text: str) -> list[int]:

@@ -65,7 +65,8 @@ async def test_body_and_headers_carry_the_request_speculation(client: httpx.Asyn
     summary = response.json()["speculation"]
     stats = SCRIPTED_SPECULATION
     assert summary == {
-        "applied": True, "reason": None, "method": "draft_model", "num_speculative_tokens": 3,
+        "applied": True, "reason": None, "mode": "fixed", "method": "draft_model",
+        "num_speculative_tokens": 3, "steps_by_k": {},
         "drafts": stats.drafts, "draft_tokens": stats.draft_tokens,
         "accepted_tokens": stats.accepted_tokens,
         "accepted_per_position": stats.accepted_per_position,

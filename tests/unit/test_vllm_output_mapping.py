@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.engine.vllm_engine import _finish_reason, _speculation_stats
+from server.engine.vllm_engine import _finish_reason, speculation_stats
 from server.errors import EngineUnavailableError, InternalError
 
 
@@ -24,11 +24,18 @@ def test_engine_failures_become_errors(reason: str, error: type[Exception]) -> N
         _finish_reason(reason)
 
 
-def test_speculation_histogram_folds_into_per_position_counts() -> None:
-    # K=2: 2 steps accepted nothing, 3 accepted one token, 5 accepted both.
-    metrics = SimpleNamespace(num_spec_tokens=2, histogram=[2, 3, 5], num_draft_tokens=20)
-    stats = _speculation_stats(metrics)
-    assert stats is not None
-    assert (stats.drafts, stats.draft_tokens, stats.accepted_tokens) == (10, 20, 13)
+def test_speculation_histogram_folds_into_per_position_counts_and_steps_by_k() -> None:
+    # K=2: 2 steps accepted nothing, 3 accepted one token, 5 accepted both;
+    # 8 steps verified 2 drafts and 2 verified one (the autopilot capped them).
+    metrics = SimpleNamespace(
+        num_spec_tokens=2,
+        histogram=[2, 3, 5],
+        num_draft_tokens=18,
+        per_step_drafted=[2] * 8 + [1] * 2,
+    )
+    # 30 tokens: 1 from the prefill, 13 accepted + 10 bonus from verify steps,
+    # so 6 steps proposed nothing.
+    stats = speculation_stats(metrics, tokens=30)
+    assert (stats.drafts, stats.draft_tokens, stats.accepted_tokens) == (10, 18, 13)
     assert stats.accepted_per_position == [8, 5]
-    assert _speculation_stats(None) is None
+    assert stats.steps_by_k == {2: 8, 1: 2, 0: 6}

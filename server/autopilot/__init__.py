@@ -1,0 +1,1 @@
+"""The speculation autopilot: picks how many draft tokens to propose, step by step."""

@@ -1,0 +1,101 @@
+"""The front end's view of the speculation autopilot, fed by the engine processes.
+
+Binds the Unix datagram socket that `server.engine.autopilot_report` sends to,
+keeps the latest cumulative report of each source (the scheduler, the draft
+worker), and turns them into the autopilot's Prometheus series. Serving code
+asks it which K=0 reasons applied while a request ran. No vLLM import.
+"""
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from server import metrics
+
+logger = logging.getLogger(__name__)
+
+
+class AutopilotFeed:
+    """Latest totals per source, read whenever the socket has data."""
+
+    def __init__(self, model: str) -> None:
+        self._model = model
+        self._dir = tempfile.mkdtemp(prefix="specserve-autopilot-")
+        self.path = str(Path(self._dir) / "reports.sock")
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._socket.bind(self.path)
+        self._socket.setblocking(False)
+        self._latest: dict[str, dict[str, Any]] = {}
+        self._counted: dict[tuple[str, str], float] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._socket.fileno(), self.drain)
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.remove_reader(self._socket.fileno())
+        self._socket.close()
+        Path(self.path).unlink(missing_ok=True)
+        os.rmdir(self._dir)
+
+    def drain(self) -> None:
+        """Read every pending report (also called before reading the totals,
+        so a request that just finished sees the reports of its last step)."""
+        while True:
+            try:
+                data = self._socket.recv(65536)
+            except (BlockingIOError, OSError):
+                return
+            try:
+                report = json.loads(data)
+            except ValueError:
+                logger.warning("autopilot: unreadable report dropped")
+                continue
+            self._latest[report.get("source", "")] = report
+            self._publish(report)
+
+    def scheduler(self) -> dict[str, Any]:
+        self.drain()
+        return self._latest.get("scheduler", {})
+
+    def draft(self) -> dict[str, Any]:
+        self.drain()
+        return self._latest.get("draft", {})
+
+    def idle_reasons(self) -> Counter[str]:
+        """K=0 steps so far, by reason; a request diffs two of these."""
+        return Counter(self.scheduler().get("zero_steps_by_reason", {}))
+
+    def _publish(self, report: dict[str, Any]) -> None:
+        model = self._model
+        if report.get("source") == "scheduler":
+            metrics.SPECULATION_K_IN_FORCE.labels(model).set(report["k"])
+            metrics.SPECULATION_PREDICTED_SPEEDUP.labels(model).set(report["predicted_speedup"])
+            if report.get("measured_speedup") is not None:
+                metrics.SPECULATION_MEASURED_SPEEDUP.labels(model).set(report["measured_speedup"])
+            for k, steps in report["steps_by_k"].items():
+                self._count(metrics.SPECULATION_STEPS.labels(model, k), ("k", k), steps)
+            for reason, steps in report["zero_steps_by_reason"].items():
+                child = metrics.SPECULATION_IDLE_STEPS.labels(model, reason)
+                self._count(child, ("reason", reason), steps)
+        elif report.get("source") == "draft":
+            passes = report["draft_forward_passes"]
+            self._count(metrics.DRAFT_FORWARD_PASSES.labels(model), ("passes", ""), passes)
+            caught_up = report["draft_caught_up_tokens"]
+            child = metrics.DRAFT_CAUGHT_UP_TOKENS.labels(model)
+            self._count(child, ("caught_up", ""), caught_up)
+
+    def _count(self, child: Any, key: tuple[str, str], total: float) -> None:
+        """Counters move by the growth of the engine's cumulative total."""
+        growth = total - self._counted.get(key, 0)
+        if growth > 0:
+            child.inc(growth)
+            self._counted[key] = total

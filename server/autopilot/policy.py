@@ -1,0 +1,332 @@
+"""The speculation autopilot's policy: how many draft tokens (K) to propose each engine step.
+
+Owns the decision and what it rests on, with nothing that touches an engine (stdlib only):
+- CostModel: this machine's step time as a linear function of the step's shape, fitted online;
+- AcceptanceTracker: per-position draft acceptance of the live traffic, overall and per request;
+- Controller: the K with the most expected output tokens per second (0 when speculation does not
+  pay), per-request caps on verified drafts, the startup calibration cycle, and the probes that
+  keep a stale "off" from lasting forever.
+The vLLM glue (server/engine/autopilot_scheduler.py) feeds it measurements and applies Decisions.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+_MIN_STEP_SECONDS = 1e-6
+# Pull toward the previous fit. Features are O(1)..O(B*K) and the window holds ~100 steps, so
+# this is negligible wherever the window has data and only holds the directions it leaves open
+# (a batch size or a K not seen lately) at their last estimate.
+_RIDGE = 1e-3
+# Acceptance before any data: optimistic enough that a cheap draft gets tried, honest in that
+# it is below what code reaches (~0.9) and about what prose does.
+_PRIOR_RATE = 0.5
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step as the scheduler saw it."""
+
+    duration: float  # seconds, from the end of schedule() to update_from_output()
+    batch_size: int  # requests in the step
+    verified_tokens: int  # draft tokens the target verified in this step, summed over requests
+    proposed_k: int  # K the draft proposed at the end of this step (0: the draft did not run)
+    prefill_tokens: int  # prompt tokens computed in the step (0 for a pure decode step)
+
+
+def _features(batch_size: int, verified: int, proposed: int) -> list[float]:
+    # Step time = a + b*B + c*V + P*(d + e*B): fixed cost, each request's own token, each
+    # verified draft, and P draft passes with a fixed and a per-request part.
+    return [1.0, float(batch_size), float(verified), float(proposed), float(proposed * batch_size)]
+
+
+class CostModel:
+    """Step time as a linear function of the step's shape, fitted by recency-weighted
+    least squares on this machine's own measured steps; no constants from another machine.
+
+    Least squares over the last (1 + f) / (1 - f) decode steps (99 for f = 0.98: the window
+    with forgetting f's effective sample count and mean age), not RLS with forgetting: after a
+    change (the draft gets slower) forgetting keeps the old steps at small weights for ~5/(1-f)
+    steps, and extrapolating from the K in use to K = 0 turns that small disagreement into a
+    wrong baseline (a slower draft read as a slower target; in a simulated trace speculation
+    seemed to pay for 150-270 steps after it stopped paying). A window drops old steps after
+    99. Directions the window leaves open keep their last estimate (a ridge toward the last fit).
+    """
+
+    def __init__(self, forgetting: float = 0.98) -> None:
+        if not 0.0 < forgetting < 1.0:
+            raise ValueError(f"forgetting must be in (0, 1), got {forgetting}")
+        self._window = round((1.0 + forgetting) / (1.0 - forgetting))
+        self._steps: deque[tuple[list[float], float]] = deque()
+        # Features are integers: adding and dropping steps keeps this exact however long it runs.
+        self._gram = [[0.0] * 5 for _ in range(5)]
+        self._moment = [0.0] * 5
+        self._theta = [0.0] * 5  # a, b, c, d, e
+        self._ready = False
+        self._shapes: dict[int, set[tuple[int, int]]] = {}  # batch size -> (V, P) seen, until ready
+
+    def observe(self, step: StepRecord) -> None:
+        if step.prefill_tokens > 0 or step.batch_size <= 0:
+            return  # prefill cost is not decode cost
+        if len(self._steps) == self._window:
+            self._add(*self._steps.popleft(), sign=-1.0)
+        x = _features(step.batch_size, step.verified_tokens, step.proposed_k)
+        self._steps.append((x, step.duration))
+        self._add(x, step.duration, sign=1.0)
+        gram = [
+            [g + _RIDGE * (i == j) for j, g in enumerate(row)] for i, row in enumerate(self._gram)
+        ]
+        rhs = [m + _RIDGE * t for m, t in zip(self._moment, self._theta, strict=True)]
+        self._theta = _solve(gram, rhs)
+        if not self._ready:
+            shapes = self._shapes.setdefault(step.batch_size, set())
+            shapes.add((step.verified_tokens, step.proposed_k))
+            self._ready = _spans_plane(shapes)
+            if self._ready:
+                self._shapes.clear()
+                self._theta = _assume_batch_split(self._theta, step.batch_size)
+
+    def _add(self, x: list[float], seconds: float, sign: float) -> None:  # one step in or out
+        for i, xi in enumerate(x):
+            self._moment[i] += sign * xi * seconds
+            for j, xj in enumerate(x):
+                self._gram[i][j] += sign * xi * xj
+
+    @property
+    def ready(self) -> bool:
+        """Three (V, P) shapes off one line at one batch size (where the features reduce to
+        [1, V, P]) pin the plain step, verify and draft costs there; _assume_batch_split spreads
+        them over other batch sizes until those are measured. A calibration cycle has them after
+        four steps: (0, 0), (0, 0), (0, 1), (1, 1). Stays true once reached."""
+        return self._ready
+
+    def predict(self, batch_size: int, k: int) -> float:
+        """Steady-state step time: every request verifies k drafts and the draft proposes k."""
+        features = _features(batch_size, batch_size * k, k)
+        seconds = sum(t * x for t, x in zip(self._theta, features, strict=True))
+        return max(seconds, _MIN_STEP_SECONDS)
+
+    def draft_seconds_per_token(self, batch_size: int) -> float:
+        return max(self._theta[3] + self._theta[4] * batch_size, 0.0)
+
+    def verify_seconds_per_token(self) -> float:
+        return max(self._theta[2], 0.0)
+
+
+def _assume_batch_split(theta: list[float], batch_size: int) -> list[float]:
+    """theta with the split between fixed and per-request costs set by assumption, keeping what
+    one batch size B measures: the plain step a + b*B, the verify cost c, the draft step
+    d + e*B. Assumed: a request's own token costs the target what a verified draft does
+    (b = c: both are rows of the same forward pass), and the per-request part of a draft step
+    is the same share of it as in a target step (e*B / (d + e*B) = b*B / (a + b*B)).
+    """
+    a, b, c, d, e = theta
+    step, draft = a + b * batch_size, d + e * batch_size
+    row = min(max(c, 0.0), max(step, 0.0) / batch_size)
+    draft_row = draft * row / step if step > 0 else 0.0
+    return [step - row * batch_size, row, c, draft - draft_row * batch_size, draft_row]
+
+
+def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (the system is 5x5 and positive definite)."""
+    n = len(rhs)
+    rows = [[*row, value] for row, value in zip(matrix, rhs, strict=True)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(col + 1, n):
+            factor = rows[r][col] / rows[col][col]
+            for c in range(col, n + 1):
+                rows[r][c] -= factor * rows[col][c]
+    x = [0.0] * n
+    for r in reversed(range(n)):
+        x[r] = (rows[r][n] - sum(rows[r][c] * x[c] for c in range(r + 1, n))) / rows[r][r]
+    return x
+
+
+def _spans_plane(points: set[tuple[int, int]]) -> bool:
+    """True when the points are not all on one line."""
+    (v0, p0), *rest = points
+    return any((v1 - v0) * (p2 - p0) != (v2 - v0) * (p1 - p0) for v1, p1 in rest for v2, p2 in rest)
+
+
+@dataclass
+class _Counts:
+    """Recency-weighted counts per draft position: times reached, times accepted."""
+
+    reached: list[float]
+    accepted: list[float]
+
+    def add(self, verified: int, accepted: int, decay: float) -> None:
+        for p in range(len(self.reached)):
+            self.reached[p] = decay * self.reached[p] + float(p < verified and p <= accepted)
+            self.accepted[p] = decay * self.accepted[p] + float(p < accepted)
+
+
+class AcceptanceTracker:
+    """Per-position conditional acceptance a_p = P(position p accepted | positions < p accepted),
+    over the live traffic, overall and per request, recency weighted (half-life in verify steps).
+
+    Each observe() ages the request's own counts and the overall counts by one verify step;
+    steps that verify nothing age nothing (there is no news about acceptance in them).
+    """
+
+    def __init__(
+        self, k_max: int, half_life_steps: float = 16.0, prior_strength: float = 4.0
+    ) -> None:
+        if k_max < 0 or half_life_steps <= 0 or prior_strength <= 0:
+            raise ValueError("k_max must be >= 0, half_life_steps and prior_strength > 0")
+        self._k_max = k_max
+        self._decay = 0.5 ** (1.0 / half_life_steps)
+        self._prior_strength = prior_strength
+        self._overall = _Counts([0.0] * k_max, [0.0] * k_max)
+        self._requests: dict[str, _Counts] = {}
+
+    def observe(self, request_id: str, verified: int, accepted: int) -> None:
+        """One verify step of one request: the first `accepted` of `verified` drafts passed."""
+        if not 0 <= accepted <= verified:
+            raise ValueError(f"need 0 <= accepted <= verified, got {accepted}, {verified}")
+        if verified == 0:
+            return
+        counts = self._requests.setdefault(
+            request_id, _Counts([0.0] * self._k_max, [0.0] * self._k_max)
+        )
+        counts.add(verified, accepted, self._decay)
+        self._overall.add(verified, accepted, self._decay)
+
+    def position_rates(self, request_id: str | None = None) -> list[float]:
+        """k_max conditional rates, overall or for one request (unknown requests get overall).
+
+        Each rate is its counts blended with prior_strength pseudo-counts of a prior: overall,
+        position p's prior is position p-1's rate (0.5 for the first), so a position never
+        reached carries the last reached one's rate forward; a request's prior is overall.
+        """
+        s = self._prior_strength
+        overall: list[float] = []
+        prior = _PRIOR_RATE
+        for reached, accepted in zip(self._overall.reached, self._overall.accepted, strict=True):
+            prior = (accepted + s * prior) / (reached + s)
+            overall.append(prior)
+        own = self._requests.get(request_id) if request_id is not None else None
+        if own is None:
+            return overall
+        return [
+            (accepted + s * rate) / (reached + s)
+            for reached, accepted, rate in zip(own.reached, own.accepted, overall, strict=True)
+        ]
+
+    def forget(self, request_id: str) -> None:
+        """The request finished: drop its state (memory stays bounded by the live requests)."""
+        self._requests.pop(request_id, None)
+
+
+def _tokens_by_k(rates: list[float], k_max: int) -> list[float]:
+    """Expected tokens per step for K = 0..k_max (see expected_tokens_per_step)."""
+    tokens = [1.0]
+    all_accepted = 1.0
+    for rate in rates[:k_max]:
+        all_accepted *= rate
+        tokens.append(tokens[-1] + all_accepted)
+    return tokens
+
+
+def expected_tokens_per_step(rates: list[float], k: int) -> float:
+    """1 + sum_{j=1..k} prod_{p<j} rates[p] (bonus token included)."""
+    return _tokens_by_k(rates, k)[k]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the scheduler applies for one step."""
+
+    k: int  # K for this step (what the draft proposes)
+    per_request_k: dict[str, int]  # each request's cap on drafts it verifies next step (<= k)
+    reason: str | None  # None if k > 0, else not_paying, batch_too_large, disabled, calibrating
+    predicted_speedup: float  # predicted tokens/s at k over tokens/s at k=0 (1.0 when unknown)
+    probing: bool  # this k is a probe (or calibration), not the optimum
+
+
+class Controller:
+    """Each step, the K in 0..k_max with the most predicted output tokens per second.
+
+    K > 0 only when it beats K = 0 by min_gain (noise must never make users slower than no
+    speculation). While K stays 0 nothing is verified, so every probe interval one step runs
+    the best K >= 1 to let acceptance show it recovered. The interval doubles while probes
+    leave K at 0 (overhead ~1/interval where speculation never pays), resets when it resumes.
+    """
+
+    def __init__(
+        self,
+        k_max: int,
+        cost: CostModel,
+        acceptance: AcceptanceTracker,
+        *,
+        min_gain: float = 0.03,
+        probe_interval_steps: int = 16,
+        max_probe_interval_steps: int = 512,
+    ) -> None:
+        if k_max < 0 or min_gain < 0 or not 1 <= probe_interval_steps <= max_probe_interval_steps:
+            raise ValueError("need k_max >= 0, min_gain >= 0, 1 <= probe interval <= max")
+        if len(acceptance.position_rates()) < k_max:
+            raise ValueError("the acceptance tracker tracks fewer positions than k_max")
+        self._k_max = k_max
+        self._cost = cost
+        self._acceptance = acceptance
+        self._min_gain = min_gain
+        self._base_interval = probe_interval_steps
+        self._max_interval = max_probe_interval_steps
+        self._probe_interval = probe_interval_steps
+        self._calibration_steps = 0
+        self._off_steps = 0  # K = 0 steps since speculation stopped or since the last probe
+
+    def choose(self, request_ids: list[str]) -> Decision:
+        if self._k_max == 0:
+            return Decision(0, dict.fromkeys(request_ids, 0), "disabled", 1.0, False)
+        if not request_ids:
+            return Decision(0, {}, "not_paying", 1.0, False)  # nothing to decode
+        if not self._cost.ready:
+            return self._calibrate(request_ids)
+        batch = len(request_ids)
+        tokens = {
+            r: _tokens_by_k(self._acceptance.position_rates(r), self._k_max) for r in request_ids
+        }
+        total = [sum(t[k] for t in tokens.values()) for k in range(self._k_max + 1)]
+        throughput = [total[k] / self._cost.predict(batch, k) for k in range(self._k_max + 1)]
+        best = max(range(1, self._k_max + 1), key=throughput.__getitem__)  # ties: fewer drafts
+        speedup = throughput[best] / throughput[0]
+        if speedup >= 1.0 + self._min_gain:
+            self._off_steps = 0
+            self._probe_interval = self._base_interval
+            return Decision(best, self._caps(tokens, best, throughput[best]), None, speedup, False)
+        self._off_steps += 1
+        if self._off_steps >= self._probe_interval:
+            self._off_steps = 0
+            self._probe_interval = min(2 * self._probe_interval, self._max_interval)
+            return Decision(best, dict.fromkeys(request_ids, best), None, speedup, True)
+        reason = "batch_too_large" if batch > 1 and self._pays_alone(total, batch) else "not_paying"
+        return Decision(0, dict.fromkeys(request_ids, 0), reason, 1.0, False)
+
+    def _calibrate(self, request_ids: list[str]) -> Decision:
+        # Each K is held two steps so the second verifies what the first proposed (a steady-state
+        # sample); the change between them varies V apart from P, which separates their costs.
+        k = (self._calibration_steps // 2) % (self._k_max + 1)
+        self._calibration_steps += 1
+        return Decision(k, dict.fromkeys(request_ids, k), None if k else "calibrating", 1.0, True)
+
+    def _caps(self, tokens: dict[str, list[float]], k: int, throughput: float) -> dict[str, int]:
+        # The draft runs K passes for everyone anyway; what a cap saves is verify time. One more
+        # verified draft costs verify_seconds_per_token of the whole batch's time, i.e. that many
+        # seconds of batch output; it yields the chance it is accepted (tokens[j] - tokens[j-1],
+        # non-increasing in j, so the first draft that does not pay ends the cap).
+        price = self._cost.verify_seconds_per_token() * throughput
+        caps = {}
+        for request_id, t in tokens.items():
+            cap = 0
+            while cap < k and t[cap + 1] - t[cap] >= price:
+                cap += 1
+            caps[request_id] = cap
+        return caps
+
+    def _pays_alone(self, total: list[float], batch: int) -> bool:
+        """Would the batch's mean acceptance pay for speculation at batch size 1?"""
+        alone = [total[k] / batch / self._cost.predict(1, k) for k in range(self._k_max + 1)]
+        return max(alone[1:]) >= (1.0 + self._min_gain) * alone[0]

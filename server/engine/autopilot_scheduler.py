@@ -1,0 +1,198 @@
+"""vLLM's scheduler with the speculation autopilot deciding K every step (vLLM glue).
+
+Loaded by vLLM's EngineCore process through `SchedulerConfig.scheduler_cls`.
+After vLLM's own `schedule()` it sets `num_spec_tokens_to_schedule` (the K the
+draft proposes at the end of the step) from a decision of
+`server.autopilot.policy`, and caps each request's drafts when its own
+acceptance does not pay for verifying them. After the step it feeds the
+policy what it measured: the step's duration and shape (cost model) and each
+request's accepted draft prefix (acceptance). Totals go to the front end
+through `autopilot_report`.
+
+Modes come from the environment the engine sets before vLLM spawns this
+process (`MODE_ENV`): "auto" (the controller), "fixed" (K up to a batch-size
+cut-off, as vLLM's static table) and "script" (a forced K sequence, for the
+losslessness tests). The policy itself is pure and imports no vLLM.
+"""
+
+import itertools
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from server.autopilot.policy import (
+    AcceptanceTracker,
+    Controller,
+    CostModel,
+    Decision,
+    StepRecord,
+    expected_tokens_per_step,
+)
+from server.engine import draft_sync
+from server.engine.autopilot_report import Reporter
+
+logger = logging.getLogger(__name__)
+
+MODE_ENV = "SPECSERVE_SPECULATION_MODE"
+MAX_BATCH_ENV = "SPECSERVE_SPECULATION_MAX_BATCH_SIZE"
+SCRIPT_ENV = "SPECSERVE_SPECULATION_SCRIPT"  # "0x4,3x4,1": K for so many steps, cycled
+
+
+def parse_script(text: str) -> list[int]:
+    """`"0x2,3"` -> [0, 0, 3]: each K repeated as many steps as it says."""
+    steps: list[int] = []
+    for item in text.split(","):
+        k, _, count = item.partition("x")
+        steps.extend([int(k)] * int(count or 1))
+    return steps
+
+
+def missing_hooks() -> str | None:
+    """What this vLLM lacks that the autopilot needs, or None: the engine then
+    falls back to vLLM's own fixed-K schedule instead of failing."""
+    import dataclasses
+
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    fields = {f.name for f in dataclasses.fields(SchedulerOutput)}
+    if "num_spec_tokens_to_schedule" not in fields:
+        return "SchedulerOutput.num_spec_tokens_to_schedule"
+    for name in ("schedule", "update_from_output", "update_draft_token_ids"):
+        if not hasattr(Scheduler, name):
+            return f"Scheduler.{name}"
+    return draft_sync.missing_hooks()
+
+
+class AutopilotScheduler(Scheduler):
+    """vLLM's scheduler; only the per-step K and per-request draft caps differ."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._mode = os.environ.get(MODE_ENV, "auto")
+        self._max_batch = int(os.environ.get(MAX_BATCH_ENV, "0")) or None
+        script = parse_script(os.environ.get(SCRIPT_ENV) or "0")
+        if max(script) > self.num_spec_tokens:
+            raise ValueError(f"speculation script goes past K={self.num_spec_tokens}")
+        self._script: Iterator[int] = itertools.cycle(script)
+        self._cost = CostModel()
+        self._acceptance = AcceptanceTracker(self.num_spec_tokens)
+        self._controller = Controller(self.num_spec_tokens, self._cost, self._acceptance)
+        self._decision: Decision | None = None
+        self._scheduled_at = 0.0
+        self._steps_by_k: Counter[int] = Counter()
+        self._zero_steps_by_reason: Counter[str] = Counter()
+        self._measured_speedup: float | None = None
+        self._reporter = Reporter("scheduler")
+        logger.info("specserve: speculation %s, K up to %d", self._mode, self.num_spec_tokens)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().schedule(*args, **kwargs)
+        request_ids = list(output.num_scheduled_tokens)
+        if not request_ids:
+            return output
+        decision = self._decide(request_ids)
+        output.num_spec_tokens_to_schedule = decision.k
+        self._decision = decision
+        self._steps_by_k[decision.k] += 1
+        if decision.k == 0 and decision.reason is not None:
+            self._zero_steps_by_reason[decision.reason] += 1
+        self._scheduled_at = time.perf_counter()
+        return output
+
+    def _decide(self, request_ids: list[str]) -> Decision:
+        if self._mode == "script":
+            k = next(self._script)
+            return Decision(k, {}, None if k else "disabled", 1.0, False)
+        if self._mode == "fixed":
+            if self._max_batch is not None and len(request_ids) > self._max_batch:
+                return Decision(0, {}, "batch_too_large", 1.0, False)
+            return Decision(self.num_spec_tokens, {}, None, 1.0, False)
+        return self._controller.choose(request_ids)
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        duration = time.perf_counter() - self._scheduled_at
+        decision = self._decision
+        step = self._observe(scheduler_output, model_runner_output, duration, decision)
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished():
+                self._acceptance.forget(request_id)
+        if step is not None:
+            self._report(decision)
+        return outputs
+
+    def _observe(
+        self,
+        scheduler_output: Any,
+        runner_output: Any,
+        duration: float,
+        decision: Decision | None,
+    ) -> StepRecord | None:
+        if decision is None or not scheduler_output.num_scheduled_tokens:
+            return None
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        sampled = runner_output.sampled_token_ids
+        verified_total = prefill_tokens = generated = 0
+        for request_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            drafts = len(spec.get(request_id, ()))
+            prefill_tokens += max(0, scheduled - 1 - drafts)
+            index = runner_output.req_id_to_index.get(request_id)
+            tokens = len(sampled[index]) if sampled and index is not None else 0
+            generated += tokens
+            if drafts and tokens:
+                verified_total += drafts
+                self._acceptance.observe(request_id, drafts, tokens - 1)
+        step = StepRecord(
+            duration=duration,
+            batch_size=len(scheduler_output.num_scheduled_tokens),
+            verified_tokens=verified_total,
+            proposed_k=decision.k,
+            prefill_tokens=prefill_tokens,
+        )
+        self._cost.observe(step)
+        if prefill_tokens == 0 and self._cost.ready and generated:
+            # Realised tokens/s against the fitted no-speculation rate at this batch.
+            baseline = step.batch_size / self._cost.predict(step.batch_size, 0)
+            speedup = generated / duration / baseline
+            previous = self._measured_speedup
+            self._measured_speedup = speedup if previous is None else 0.9 * previous + 0.1 * speedup
+        return step
+
+    def update_draft_token_ids(self, draft_token_ids: Any) -> None:
+        super().update_draft_token_ids(draft_token_ids)
+        caps = self._decision.per_request_k if self._decision is not None else {}
+        for request_id in draft_token_ids.req_ids:
+            cap = caps.get(request_id)
+            request = self.requests.get(request_id)
+            if cap is not None and request is not None and len(request.spec_token_ids) > cap:
+                request.spec_token_ids = request.spec_token_ids[:cap]
+
+    def _report(self, decision: Decision | None) -> None:
+        rates = self._acceptance.position_rates()
+        self._reporter.send(
+            {
+                "mode": self._mode,
+                "k": decision.k if decision else 0,
+                "reason": decision.reason if decision else None,
+                "probing": decision.probing if decision else False,
+                "predicted_speedup": decision.predicted_speedup if decision else 1.0,
+                "measured_speedup": self._measured_speedup,
+                "steps_by_k": {str(k): n for k, n in self._steps_by_k.items()},
+                "zero_steps_by_reason": dict(self._zero_steps_by_reason),
+                "acceptance_by_position": rates,
+                "expected_tokens_per_step": expected_tokens_per_step(rates, len(rates)),
+                "cost_ready": self._cost.ready,
+                "draft_seconds_per_token": self._cost.draft_seconds_per_token(1)
+                if self._cost.ready
+                else None,
+                "verify_seconds_per_token": self._cost.verify_seconds_per_token()
+                if self._cost.ready
+                else None,
+            }
+        )

@@ -1,0 +1,234 @@
+"""The draft model idles at K=0 and catches up when speculation resumes (vLLM glue).
+
+vLLM 0.32 runs the draft's first forward pass on every step even when the
+step's K is 0, "to keep the drafter KV cache in sync", so a speculative server
+with speculation off still pays for the draft. Here, in the worker process:
+
+- at K=0 the draft does not run at all: `propose` returns no draft tokens;
+- each request remembers up to which position the draft's KV cache is valid;
+- when K>0 resumes, one batched draft prefill over every request's missed
+  positions (token ids from the runner's input batch, KV slots from the block
+  table the draft shares with the target) runs before the normal proposal, so
+  acceptance after a pause is what it would have been without one.
+
+The target verifies every draft token, so a stale draft could only lower
+acceptance, never change the output. Forward passes and caught-up tokens are
+counted and reported to the front end. `install()` patches vLLM's classes once
+per process, when `ENABLED_ENV` is set by specserve's engine; on a vLLM whose
+hooks moved it logs one line and leaves vLLM's behaviour in place.
+"""
+
+import inspect
+import logging
+import os
+from dataclasses import replace
+from typing import Any
+
+from server.engine.autopilot_report import Reporter
+
+logger = logging.getLogger(__name__)
+
+ENABLED_ENV = "SPECSERVE_DRAFT_IDLE_AT_ZERO"
+
+
+class DraftSync:
+    """Per-request "draft KV valid below this position", and the counts."""
+
+    def __init__(self) -> None:
+        self.valid_until: dict[str, int] = {}
+        self.forward_passes = 0
+        self.caught_up_tokens = 0
+        self.catch_up_passes = 0
+        self.skipped_steps = 0
+        self._reporter = Reporter("draft")
+
+    def report(self) -> None:
+        self._reporter.send(
+            {
+                "draft_forward_passes": self.forward_passes,
+                "draft_caught_up_tokens": self.caught_up_tokens,
+                "draft_catch_up_passes": self.catch_up_passes,
+                "draft_skipped_steps": self.skipped_steps,
+            }
+        )
+
+
+def missing_hooks() -> str | None:
+    """What this vLLM lacks for the draft to idle, or None."""
+    try:
+        from vllm.v1.spec_decode.draft_model import DraftModelProposer
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError as exc:
+        return str(exc)
+    if not hasattr(GPUModelRunner, "propose_draft_token_ids"):
+        return "GPUModelRunner.propose_draft_token_ids"
+    parameters = set(inspect.signature(DraftModelProposer.propose).parameters)
+    missing = _PROPOSE_PARAMETERS - parameters
+    return f"DraftModelProposer.propose({', '.join(sorted(missing))})" if missing else None
+
+
+_PROPOSE_PARAMETERS = {
+    "num_speculative_tokens",
+    "target_positions",
+    "common_attn_metadata",
+    "num_rejected_tokens_gpu",
+}
+
+
+def install() -> None:
+    """`vllm.general_plugins` hook: patch the draft-model proposer and the
+    runner method that feeds it the batch, in engine processes specserve started."""
+    if not os.environ.get(ENABLED_ENV):
+        return
+    missing = missing_hooks()
+    if missing is not None:
+        logger.warning("specserve: the draft keeps running at K=0 (vLLM lacks %s)", missing)
+        return
+    from vllm.v1.spec_decode.draft_model import DraftModelProposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(DraftModelProposer, "specserve_patched", False):
+        return
+    original_propose = DraftModelProposer.propose
+    original_hook = GPUModelRunner.propose_draft_token_ids
+    signature = inspect.signature(original_propose)
+
+    def propose_draft_token_ids(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        # The proposer sees tensors only; the catch-up needs request ids and
+        # token ids, which live on the runner's input batch.
+        self.drafter.specserve_input_batch = self.input_batch
+        self.drafter.specserve_live_requests = self.requests
+        return original_hook(self, scheduler_output, *args, **kwargs)
+
+    def propose(self: Any, *args: Any, **kwargs: Any) -> Any:
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        return _propose(self, original_propose, arguments)
+
+    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids  # type: ignore[method-assign]
+    DraftModelProposer.propose = propose  # type: ignore[method-assign]
+    DraftModelProposer.specserve_patched = True  # type: ignore[attr-defined]
+
+
+def _propose(proposer: Any, original: Any, values: dict[str, Any]) -> Any:
+    import torch
+
+    sync = _sync_of(proposer)
+    num_speculative_tokens = values["num_speculative_tokens"]
+    cad = values["common_attn_metadata"]
+    batch = proposer.specserve_input_batch
+    req_ids: list[str] = list(batch.req_ids[: cad.num_reqs])
+    query_start = cad.query_start_loc_cpu.tolist()
+    positions = values["target_positions"]
+    starts = [int(positions[query_start[i]]) for i in range(cad.num_reqs)]
+    _forget_finished(sync, proposer.specserve_live_requests)
+    if num_speculative_tokens == 0:
+        # The draft did not see these positions: its KV is valid only below
+        # each query's start (a recomputed, preempted request starts lower).
+        for req_id, start in zip(req_ids, starts, strict=True):
+            sync.valid_until[req_id] = min(sync.valid_until.get(req_id, 0), start)
+        sync.skipped_steps += 1
+        sync.report()
+        proposer.num_speculative_tokens = 0
+        proposer._last_draft_probs = None
+        return torch.empty(cad.num_reqs, 0, dtype=torch.int64, device=positions.device)
+    _catch_up(proposer, sync, cad, batch, req_ids, starts)
+    result = original(**values)
+    sync.forward_passes += num_speculative_tokens
+    rejected = values.get("num_rejected_tokens_gpu")
+    rejected_list = [0] * cad.num_reqs if rejected is None else rejected.tolist()
+    for i, req_id in enumerate(req_ids):
+        query_len = query_start[i + 1] - query_start[i]
+        sync.valid_until[req_id] = starts[i] + query_len - int(rejected_list[i])
+    sync.report()
+    return result
+
+
+def _sync_of(proposer: Any) -> DraftSync:
+    sync = getattr(proposer, "specserve_sync", None)
+    if sync is None:
+        sync = proposer.specserve_sync = DraftSync()
+    return sync
+
+
+def _forget_finished(sync: DraftSync, live_requests: Any) -> None:
+    for req_id in [r for r in sync.valid_until if r not in live_requests]:
+        del sync.valid_until[req_id]
+
+
+def _catch_up(
+    proposer: Any, sync: DraftSync, cad: Any, batch: Any, req_ids: list[str], starts: list[int]
+) -> None:
+    """One draft forward pass over the positions each request missed while
+    the draft idled, bounded by the proposer's token buffers."""
+    import numpy as np
+    import torch
+    from vllm.forward_context import set_forward_context
+
+    budget = proposer.max_num_tokens
+    rows: list[int] = []
+    spans: list[tuple[int, int]] = []
+    for row, (req_id, start) in enumerate(zip(req_ids, starts, strict=True)):
+        begin = min(sync.valid_until.get(req_id, 0), start)
+        end = min(start, begin + budget)
+        if end > begin:
+            rows.append(row)
+            spans.append((begin, end))
+            budget -= end - begin
+        if budget <= 0:
+            break
+    if not rows:
+        return
+    token_ids = np.concatenate(
+        [batch.token_ids_cpu[row, b:e] for row, (b, e) in zip(rows, spans, strict=True)]
+    )
+    positions = torch.cat([torch.arange(b, e, dtype=torch.int64) for b, e in spans])
+    lengths = [e - b for b, e in spans]
+    block_table = cad.block_table_tensor[rows]
+    block_size = proposer.block_size
+    row_of_token = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lengths))
+    slots = block_table[row_of_token, positions // block_size].to(torch.int64) * block_size + (
+        positions % block_size
+    )
+    query_start = torch.zeros(len(rows) + 1, dtype=torch.int32)
+    query_start[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+    seq_lens = torch.tensor([e for _, e in spans], dtype=torch.int32)
+    num_tokens = int(query_start[-1])
+    gap_cad = replace(
+        cad,
+        query_start_loc=query_start.to(cad.query_start_loc.device),
+        query_start_loc_cpu=query_start,
+        seq_lens=seq_lens.to(cad.seq_lens.device),
+        num_reqs=len(rows),
+        num_actual_tokens=num_tokens,
+        max_query_len=max(lengths),
+        max_seq_len=int(seq_lens.max()),
+        block_table_tensor=block_table,
+        slot_mapping=slots.to(cad.slot_mapping.device),
+        positions=None,
+        is_prefilling=None,
+        seq_lens_cpu_upper_bound=None,
+    )
+    ids = torch.from_numpy(token_ids.astype(np.int64)).to(proposer.input_ids.device)
+    if proposer.use_heterogeneous_vocab:
+        ids = proposer.vocab_mapping.map_target_to_draft_ids(ids)
+    proposer.input_ids[:num_tokens] = ids
+    proposer._set_positions(num_tokens, positions.to(proposer.positions.device))
+    _, per_layer = proposer.build_per_group_and_layer_attn_metadata(gap_cad)
+    mode, num_input_tokens, across_dp = proposer._determine_batch_execution_and_padding(num_tokens)
+    model_kwargs, slot_size = proposer.build_model_inputs_first_pass(
+        num_tokens, num_input_tokens, None
+    )
+    with set_forward_context(
+        per_layer,
+        proposer.vllm_config,
+        num_tokens=num_input_tokens,
+        num_tokens_across_dp=across_dp,
+        cudagraph_runtime_mode=mode,
+        slot_mapping=proposer._get_slot_mapping(slot_size, gap_cad.slot_mapping),
+    ):
+        proposer.model(**model_kwargs)
+    sync.forward_passes += 1
+    sync.catch_up_passes += 1
+    sync.caught_up_tokens += num_tokens
+    for row, (_, end) in zip(rows, spans, strict=True):
+        sync.valid_until[req_ids[row]] = end

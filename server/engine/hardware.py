@@ -1,0 +1,62 @@
+"""Which dtype the engine runs in, chosen for the hardware it runs on.
+
+Owns the `--dtype auto` decision: on a GPU the model's own dtype (vLLM's
+"auto"); on a CPU bfloat16 only where the CPU multiplies bf16 natively
+(`avx512_bf16` or `amx_bf16`), float32 elsewhere, because emulated bf16 is
+slower than float32 (on an AVX2-only CPU prefill is several times slower and
+verifying K+1 draft tokens costs about twice one). A dtype the user set always
+wins. Reads the CPU flags from /proc/cpuinfo; imports neither vllm nor torch.
+"""
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+DtypeSetting = Literal["bfloat16", "float32", "auto"]
+
+CPUINFO = Path("/proc/cpuinfo")
+# x86 flags (as /proc/cpuinfo spells them) of CPUs that multiply bf16 natively.
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The dtype handed to vLLM and why, for the startup log and /health."""
+
+    dtype: DtypeSetting  # "auto" only on a GPU: the model's own dtype
+    reason: str
+
+
+def read_cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str] | None:
+    """The CPU's feature flags (the `flags` lines of /proc/cpuinfo); None if unknown."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return None
+    flags: set[str] = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            flags.update(value.split())
+    return frozenset(flags) if flags else None
+
+
+def choose_dtype(
+    requested: DtypeSetting, *, on_gpu: bool, cpu_flags: Iterable[str] | None = None
+) -> DtypeChoice:
+    """Resolve `--dtype`; `cpu_flags` None reads /proc/cpuinfo (tests pass their own)."""
+    if requested != "auto":
+        return DtypeChoice(requested, "set by --dtype")
+    if on_gpu:
+        return DtypeChoice("auto", "GPU: the model's own dtype")
+    flags = read_cpu_flags() if cpu_flags is None else frozenset(cpu_flags)
+    if flags is None:
+        return DtypeChoice("float32", "CPU flags unknown (no /proc/cpuinfo): float32 is safe")
+    for flag in NATIVE_BF16_FLAGS:
+        if flag in flags:
+            return DtypeChoice("bfloat16", f"CPU has {flag}: bf16 is native")
+    return DtypeChoice(
+        "float32",
+        "CPU lacks avx512_bf16 and amx_bf16: bf16 would be emulated, float32 is faster",
+    )

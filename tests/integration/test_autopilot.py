@@ -1,0 +1,138 @@
+"""The speculation autopilot on the real engine: K switching per step stays
+lossless, the draft does not run at K=0 and catches up after, and auto mode
+calibrates, decides and reports.
+
+A forced K sequence ("script", cycled per engine step) drives the switching:
+0 for 4 steps, 3 for 4, 0 for 4, 1 for 4, 2 for 4.
+"""
+
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from prometheus_client import REGISTRY
+
+from server.engine.base import SamplingOptions
+from tests.integration.conftest import RunningServer, TinyModels, serve, tiny_engine_config
+from tests.integration.test_lossless import PROMPTS, _at, _binned_total_variation, _run, _sample
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = "0x4,3x4,0x4,1x4,2x4"
+GREEDY_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+async def scripted_server(tiny: TinyModels) -> AsyncIterator[RunningServer]:
+    """A partly-accepted draft with K forced through the script."""
+    config = tiny_engine_config(
+        tiny, tiny.close_draft, served_model_name="tiny-scripted", speculation_script=SCRIPT
+    )
+    async for running in serve(config):
+        yield running
+
+
+@pytest.fixture(scope="module")
+async def scripted_self_draft(tiny: TinyModels) -> AsyncIterator[RunningServer]:
+    """The target drafting for itself (everything accepted) through the script."""
+    config = tiny_engine_config(
+        tiny, tiny.target, served_model_name="tiny-self-scripted", speculation_script=SCRIPT
+    )
+    async for running in serve(config):
+        yield running
+
+
+@pytest.fixture(scope="module")
+async def auto_server(tiny: TinyModels) -> AsyncIterator[RunningServer]:
+    config = tiny_engine_config(
+        tiny, tiny.close_draft, served_model_name="tiny-auto", speculation_mode="auto"
+    )
+    async for running in serve(config):
+        yield running
+
+
+def _reports(server: RunningServer) -> tuple[dict, dict]:
+    feed = server.engine._feed
+    assert feed is not None, "the autopilot is not running"
+    return feed.scheduler(), feed.draft()
+
+
+async def test_greedy_output_is_identical_while_k_switches(
+    scripted_server: RunningServer, plain_server: RunningServer
+) -> None:
+    options = SamplingOptions(max_tokens=GREEDY_TOKENS, temperature=0.0)
+    steps: dict[int, int] = {}
+    drafted = accepted = 0
+    for i, prompt in enumerate(PROMPTS):
+        (switched,), stats = await _run(scripted_server.engine, f"switch-{i}", prompt, options)
+        (plain,), _ = await _run(plain_server.engine, f"switch-plain-{i}", prompt, options)
+        assert switched == plain, prompt
+        for s in stats:
+            drafted += s.draft_tokens
+            accepted += s.accepted_tokens
+            for k, n in s.steps_by_k.items():
+                steps[k] = steps.get(k, 0) + n
+    # Every K of the script verified drafts, some steps idled the draft, and
+    # drafts were both accepted and rejected: the comparison means something.
+    assert {0, 1, 2, 3} <= set(steps), steps
+    assert 0 < accepted < drafted
+
+
+async def test_the_draft_never_runs_at_k_zero(scripted_server: RunningServer) -> None:
+    options = SamplingOptions(max_tokens=GREEDY_TOKENS, temperature=0.0)
+    await _run(scripted_server.engine, "passes", PROMPTS[0], options)
+    await scripted_server.wait_engine_idle(60)
+    scheduler, draft = _reports(scripted_server)
+    steps_by_k = {int(k): n for k, n in scheduler["steps_by_k"].items()}
+    # Each K>0 step runs K draft passes, each catch-up one more; a K=0 step none.
+    proposing = sum(k * n for k, n in steps_by_k.items())
+    assert draft["draft_forward_passes"] == proposing + draft["draft_catch_up_passes"]
+    assert draft["draft_skipped_steps"] == steps_by_k[0] > 0
+    assert draft["draft_catch_up_passes"] > 0
+    assert draft["draft_caught_up_tokens"] >= draft["draft_catch_up_passes"]
+
+
+async def test_acceptance_after_a_pause_is_as_without_one(
+    scripted_self_draft: RunningServer,
+) -> None:
+    """A self-draft accepts every token when its KV cache is complete; a draft
+    that missed the paused positions would reject some after each pause."""
+    options = SamplingOptions(max_tokens=GREEDY_TOKENS, temperature=0.0)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        _, stats = await _run(scripted_self_draft.engine, f"pause-{i}", prompt, options)
+        (s,) = stats
+        assert s.steps_by_k.get(0, 0) > 0 and s.drafts > 0, s
+        assert s.accepted_tokens == s.draft_tokens, s
+
+
+async def test_sampled_distribution_is_unchanged_while_k_switches(
+    scripted_server: RunningServer, plain_server: RunningServer
+) -> None:
+    with_spec, drafts = await _sample(scripted_server.engine, "dist-switch")
+    without, _ = await _sample(plain_server.engine, "dist-switch-plain")
+    assert drafts > 0
+    for position in range(1, 4):
+        distance = _binned_total_variation(_at(with_spec, position), _at(without, position))
+        assert distance < 0.1, f"token {position + 1}: total variation {distance:.3f}"
+
+
+async def test_auto_mode_calibrates_decides_and_reports(auto_server: RunningServer) -> None:
+    scheduler, _ = _reports(auto_server)
+    assert scheduler["cost_ready"], scheduler
+    async with httpx.AsyncClient(base_url=auto_server.base_url, timeout=120) as http:
+        response = await http.post(
+            "/v1/completions",
+            json={"model": "tiny-auto", "prompt": "def add(a, b):", "max_tokens": 32},
+        )
+        assert response.status_code == 200
+        summary = response.json()["speculation"]
+        assert summary["mode"] == "auto"
+        steps = sum(summary["steps_by_k"].values())
+        assert steps > 0, summary
+        if not summary["applied"]:
+            assert summary["reason"] in {"not_paying", "batch_too_large", "calibrating"}
+        text = (await http.get("/metrics")).text
+    labels = {"model": "tiny-auto"}
+    assert REGISTRY.get_sample_value("specserve_speculation_k_in_force", labels) is not None
+    assert REGISTRY.get_sample_value("specserve_speculation_predicted_speedup", labels) > 0
+    assert "specserve_speculation_steps_total{" in text

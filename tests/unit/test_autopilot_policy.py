@@ -1,0 +1,412 @@
+"""The speculation autopilot's policy on synthetic traces: a simulated machine with known step
+costs and requests with known acceptance, seeded, no engine and no clock. Each decision test
+compares the controller's K with what the synthetic machine says is best."""
+
+import itertools
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+
+from server.autopilot.policy import (
+    AcceptanceTracker,
+    Controller,
+    CostModel,
+    Decision,
+    StepRecord,
+    expected_tokens_per_step,
+)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Step time a + b*B + c*V + P*(d + e*B) seconds (B requests, V drafts verified, P proposed)."""
+
+    a: float
+    b: float
+    c: float
+    d: float
+    e: float
+
+    def seconds(self, batch: int, verified: int, proposed: int) -> float:
+        return self.a + self.b * batch + self.c * verified + proposed * (self.d + self.e * batch)
+
+    def throughput(self, batch: int, k: int, acceptance: float) -> float:
+        """True steady-state tokens/s when every request accepts each draft with `acceptance`."""
+        tokens = sum(acceptance**j for j in range(k + 1))
+        return batch * tokens / self.seconds(batch, batch * k, k)
+
+
+# CPU-like: verifying one draft costs the target 30% of a plain step, a draft step 15%.
+CPU = Machine(a=0.096, b=0.004, c=0.03, d=0.012, e=0.003)
+# Verifying is cheap next to drafting, as on a GPU: speculation pays even for mixed batches.
+CHEAP_VERIFY = Machine(a=0.1, b=0.002, c=0.008, d=0.01, e=0.001)
+K_MAX = 6
+
+
+class Sim:
+    """The engine loop as the glue runs it: choose() before the step, then the step verifies
+    what the previous step proposed (up to each request's cap) and proposes decision.k."""
+
+    def __init__(self, machine: Machine, seed: int = 0, noise: float = 0.02) -> None:
+        self.machine = machine
+        self.cost = CostModel()
+        self.acceptance = AcceptanceTracker(K_MAX)
+        self.controller = Controller(K_MAX, self.cost, self.acceptance)
+        self.rng = random.Random(seed)
+        self.noise = noise
+        self.rates: dict[str, float] = {}  # live requests -> true per-position acceptance
+        self.pending: dict[str, int] = {}  # drafts each request verifies next step
+
+    def set_requests(self, rates: dict[str, float]) -> None:
+        for request_id in set(self.rates) - set(rates):
+            self.acceptance.forget(request_id)
+        self.rates = dict(rates)
+
+    def step(self) -> Decision:
+        decision = self.controller.choose(list(self.rates))
+        verified_total = 0
+        for request_id, rate in self.rates.items():
+            verified = self.pending.get(request_id, 0)
+            accepted = 0
+            while accepted < verified and self.rng.random() < rate:
+                accepted += 1
+            self.acceptance.observe(request_id, verified, accepted)
+            verified_total += verified
+        batch = len(self.rates)
+        seconds = self.machine.seconds(batch, verified_total, decision.k)
+        seconds *= 1.0 + self.noise * self.rng.uniform(-1.0, 1.0)
+        self.cost.observe(StepRecord(seconds, batch, verified_total, decision.k, 0))
+        self.pending = dict(decision.per_request_k)
+        return decision
+
+    def run(self, steps: int) -> list[Decision]:
+        return [self.step() for _ in range(steps)]
+
+    def calibrate(self, acceptance: float) -> None:
+        """Startup as the glue drives it: one request until the cost model is ready, then four."""
+        self.set_requests({"calibration": acceptance})
+        for _ in range(2 * (K_MAX + 1)):
+            if self.cost.ready:
+                break
+            self.step()
+        assert self.cost.ready
+        self.set_requests({f"warmup-{i}": acceptance for i in range(4)})
+        self.run(32)
+
+
+def allowed_ks(machine: Machine, batch: int, acceptance: float) -> set[int]:
+    """The true best K, and a neighbour within 1% of it."""
+    throughput = [machine.throughput(batch, k, acceptance) for k in range(K_MAX + 1)]
+    best = max(range(K_MAX + 1), key=throughput.__getitem__)
+    near = {k for k in (best - 1, best + 1) if 0 <= k <= K_MAX}
+    return {best} | {k for k in near if throughput[k] >= 0.99 * throughput[best]}
+
+
+def speculating(decisions: list[Decision]) -> list[bool]:
+    """K > 0 by choice (probes excluded)."""
+    return [d.k > 0 and not d.probing for d in decisions]
+
+
+def off_from(decisions: list[Decision]) -> int:
+    """Index of the first K = 0 choice after the last K > 0 one."""
+    return max((i + 1 for i, on in enumerate(speculating(decisions)) if on), default=0)
+
+
+def cycle_steps(
+    machine: Machine, batch: int, rng: random.Random, noise: float = 0.01
+) -> list[StepRecord]:
+    """The calibration cycle at one batch size, as steps with some timing noise."""
+    ks = [k for k in range(K_MAX + 1) for _ in range(2)]
+    steps = []
+    for previous, k in zip([0, *ks], ks, strict=False):
+        seconds = machine.seconds(batch, batch * previous, k) * (1 + noise * rng.uniform(-1, 1))
+        steps.append(StepRecord(seconds, batch, batch * previous, k, 0))
+    return steps
+
+
+# 1. Cheap draft, high acceptance, one request.
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cheap_draft_high_acceptance_picks_the_true_best_k(seed: int) -> None:
+    sim = Sim(CPU, seed)
+    sim.calibrate(0.9)
+    sim.set_requests({"code": 0.9})
+    decisions = sim.run(1000)[200:]
+
+    allowed = allowed_ks(CPU, 1, 0.9)
+    assert allowed == {3, 4}  # K=2 and K=5 are >1% worse: a wrong choice is visible
+    modal_k, _ = Counter(d.k for d in decisions).most_common(1)[0]
+    assert modal_k in allowed
+    assert all(d.k > 0 for d in decisions)
+    best = CPU.throughput(1, 3, 0.9)
+    realised = sum(CPU.throughput(1, d.k, 0.9) for d in decisions) / len(decisions)
+    assert realised >= 0.98 * best
+    assert all(d.predicted_speedup >= 1.03 for d in decisions)
+
+
+# 2. Acceptance collapses.
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_acceptance_collapse_turns_speculation_off(seed: int) -> None:
+    sim = Sim(CPU, seed)
+    sim.calibrate(0.9)
+    sim.set_requests({"r": 0.9})
+    sim.run(200)
+    assert sim.run(1)[0].k > 0
+
+    sim.rates["r"] = 0.1  # e.g. code turns to prose within the same request
+    after = sim.run(100)
+
+    assert max(CPU.throughput(1, k, 0.1) for k in range(1, K_MAX + 1)) < CPU.throughput(1, 0, 0.1)
+    last_on = max(i for i, on in enumerate(speculating(after)) if on)
+    assert last_on < 32  # two acceptance half-lives
+    assert {d.reason for d in after[last_on + 1 :] if d.k == 0} == {"not_paying"}
+
+
+# 3. Batch grows on a machine where verifying is expensive.
+
+
+def test_batch_growth_turns_speculation_off_as_batch_too_large_and_back() -> None:
+    sim = Sim(CPU)
+    sim.calibrate(0.9)
+    sim.set_requests({"r": 0.9})
+    assert all(speculating(sim.run(200)[100:]))
+
+    assert allowed_ks(CPU, 8, 0.9) == {0}
+    sim.set_requests({f"b{i}": 0.9 for i in range(8)})
+    batch = sim.run(100)
+    assert batch[0].k == 0  # the very next choice, before any step at this batch size
+    assert not any(speculating(batch))
+    assert {d.reason for d in batch if d.k == 0} == {"batch_too_large"}
+    assert all(v == 0 for d in batch if d.k == 0 for v in d.per_request_k.values())
+
+    sim.set_requests({"r2": 0.9})
+    back = sim.run(20)
+    assert back[0].k > 0
+    assert sum(speculating(back)) >= 18
+
+
+# 4. The machine gets slower at drafting mid-trace.
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_slower_draft_turns_speculation_off_within_the_cost_window(seed: int) -> None:
+    slow_draft = Machine(a=CPU.a, b=CPU.b, c=CPU.c, d=0.06, e=CPU.e)
+    assert allowed_ks(slow_draft, 1, 0.9) == {0}
+    sim = Sim(CPU, seed)
+    sim.calibrate(0.9)
+    sim.set_requests({"r": 0.9})
+    assert all(speculating(sim.run(300)[100:]))
+
+    sim.machine = slow_draft
+    after = speculating(sim.run(400))
+
+    # Once the cost model's 99-step window has turned over, the choice is the new optimum, but
+    # for a rare borderline step where noise lifts K=1 (truly 0.98x) over the 3% bar.
+    assert sum(after[99:]) <= 2
+    assert sim.cost.predict(1, 3) == pytest.approx(slow_draft.seconds(1, 3, 3), rel=0.05)
+
+
+# 5. Probing while off.
+
+
+def test_probes_come_within_the_interval_and_double_while_they_confirm_off() -> None:
+    sim = Sim(CPU)
+    sim.calibrate(0.9)
+    sim.set_requests({"prose": 0.1})
+    decisions = sim.run(5000)
+
+    off = off_from(decisions)
+    assert off < 50
+    probes = [i for i, d in enumerate(decisions) if d.probing]
+    assert probes[0] - off < 16
+    gaps = [later - earlier for earlier, later in itertools.pairwise(probes)]
+    assert gaps[:5] == [32, 64, 128, 256, 512]
+    assert set(gaps[5:]) == {512}
+    assert len(probes) <= 5000 / 512 + 6  # overhead ~1/interval
+    assert all(decisions[i].k >= 1 and decisions[i].reason is None for i in probes)
+
+
+def test_speculation_resumes_when_acceptance_recovers() -> None:
+    sim = Sim(CPU)
+    sim.calibrate(0.9)
+    sim.set_requests({"prose": 0.1})
+    sim.run(3000)  # off, probes 512 steps apart
+
+    # New requests start from the overall estimate: often one probe shows it recovered, a few
+    # when the first probes happen to be rejected.
+    sim.set_requests({"code": 0.9})
+    recovery = speculating(sim.run(12 * 512))
+    resumed = recovery.index(True)
+    assert all(recovery[resumed + 50 :])
+
+    # Speculation resumed, so the interval is back to 16: off again, the first probe is quick.
+    sim.set_requests({"prose-2": 0.1})
+    decisions = sim.run(400)
+    off = off_from(decisions)
+    assert off < 300
+    assert any(d.probing for d in decisions[off : off + 16])
+
+    # One long request whose own estimate went stale: each probe is one verify step of it,
+    # so recovery takes about a half-life of probes, but it does come back.
+    sim.rates["prose-2"] = 0.9
+    assert any(speculating(sim.run(16 * 512)))
+
+
+# 6. Mixed batch.
+
+
+def test_mixed_batch_caps_the_prose_request_below_the_code_request() -> None:
+    sim = Sim(CHEAP_VERIFY)
+    sim.calibrate(0.9)
+    sim.set_requests({"code": 0.95, "prose": 0.3})
+    decisions = sim.run(300)[50:]
+
+    assert all(d.k > 0 for d in decisions)
+    assert sum(d.per_request_k["code"] == d.k for d in decisions) >= 0.95 * len(decisions)
+    assert sum(d.per_request_k["prose"] < d.per_request_k["code"] for d in decisions) >= 0.9 * len(
+        decisions
+    )
+    mean_prose = sum(d.per_request_k["prose"] for d in decisions) / len(decisions)
+    assert mean_prose <= 2.5  # truly worth verifying: 1 draft (0.3 > price > 0.09)
+
+
+# The min_gain bar.
+
+
+def test_speculation_needs_a_predicted_gain_of_at_least_min_gain() -> None:
+    # Exact costs and no acceptance data (0.5 per position): K=1 is best, at 1.02x.
+    machine = Machine(a=0.09, b=0.01, c=0.03, d=0.012, e=0.005)
+    for min_gain, expected_k in [(0.03, 0), (0.01, 1)]:
+        cost = CostModel()
+        for step in cycle_steps(machine, 1, random.Random(0), noise=0.0):
+            cost.observe(step)
+        decision = Controller(K_MAX, cost, AcceptanceTracker(K_MAX), min_gain=min_gain).choose(
+            ["r"]
+        )
+        assert decision.k == expected_k
+        if expected_k:
+            assert decision.predicted_speedup == pytest.approx(1.5 * 0.1 / 0.147)
+        else:
+            assert (decision.reason, decision.predicted_speedup) == ("not_paying", 1.0)
+
+
+# 7. Calibration.
+
+
+def test_calibration_cycles_each_k_twice_until_the_cost_model_is_ready() -> None:
+    controller = Controller(3, CostModel(), AcceptanceTracker(3))  # never fed: never ready
+    decisions = [controller.choose(["r"]) for _ in range(12)]
+    assert [d.k for d in decisions] == [0, 0, 1, 1, 2, 2, 3, 3, 0, 0, 1, 1]
+    assert all(d.probing for d in decisions)
+    assert [d.reason for d in decisions[:3]] == ["calibrating", "calibrating", None]
+    assert all(d.per_request_k == {"r": d.k} for d in decisions)
+
+
+def test_one_cycle_at_one_batch_size_makes_the_cost_model_ready() -> None:
+    sim = Sim(CPU)
+    sim.set_requests({"r": 0.9})
+    decisions = []
+    while not sim.cost.ready:
+        decisions.append(sim.step())
+    # (V, P) = (0, 0), (0, 0), (0, 1), (1, 1): three shapes off one line at B = 1.
+    assert [d.k for d in decisions] == [0, 0, 1, 1]
+    assert all(d.probing for d in decisions)
+    assert not sim.step().probing
+
+
+def test_cost_model_recovers_the_machine_from_batch_one_and_four() -> None:
+    # Unlike what one batch size lets the model assume (b = c, proportional draft split).
+    machine = Machine(a=0.05, b=0.012, c=0.006, d=0.008, e=0.004)
+    cost = CostModel()
+    rng = random.Random(0)
+    for step in cycle_steps(machine, 1, rng) + cycle_steps(machine, 4, rng):
+        cost.observe(step)
+    cost.observe(StepRecord(9.0, 1, 0, 0, prefill_tokens=40))  # prefill: ignored
+
+    for batch in range(1, 9):
+        for k in range(K_MAX + 1):
+            truth = machine.seconds(batch, batch * k, k)
+            assert cost.predict(batch, k) == pytest.approx(truth, rel=0.05), (batch, k)
+        truth = machine.d + machine.e * batch
+        assert cost.draft_seconds_per_token(batch) == pytest.approx(truth, rel=0.05)
+    assert cost.verify_seconds_per_token() == pytest.approx(machine.c, rel=0.05)
+
+
+def test_one_batch_size_extrapolates_by_the_documented_assumption() -> None:
+    # A machine that satisfies it: b = c, e*B / (d + e*B) = b*B / (a + b*B) at B = 1.
+    a, b, draft = 0.08, 0.02, 0.03
+    machine = Machine(a=a, b=b, c=b, d=draft * a / (a + b), e=draft * b / (a + b))
+    cost = CostModel()
+    for step in cycle_steps(machine, 1, random.Random(1)):
+        cost.observe(step)
+    assert cost.ready
+    for k in range(K_MAX + 1):
+        assert cost.predict(8, k) == pytest.approx(machine.seconds(8, 8 * k, k), rel=0.05)
+
+
+# 8. Acceptance arithmetic, by hand.
+
+
+def test_acceptance_counts_the_accepted_prefix_and_blends_requests_with_overall() -> None:
+    tracker = AcceptanceTracker(3, half_life_steps=math.inf, prior_strength=2.0)
+    assert tracker.position_rates() == [0.5, 0.5, 0.5]
+
+    # 3 verified, the first accepted: position 0 reached and accepted, position 1 reached and
+    # rejected, position 2 never reached (it comes after a rejection).
+    tracker.observe("a", verified=3, accepted=1)
+    # Overall: p0 = (1 + 2*0.5) / (1 + 2); p1 = (0 + 2*p0) / (1 + 2); p2 carries p1 forward.
+    assert tracker.position_rates() == pytest.approx([2 / 3, 4 / 9, 4 / 9])
+    # Request: own counts plus 2 pseudo-counts at the overall rate.
+    assert tracker.position_rates("a") == pytest.approx([7 / 9, 8 / 27, 4 / 9])
+    assert tracker.position_rates("unknown") == tracker.position_rates()
+
+    tracker.observe("b", verified=2, accepted=2)  # both accepted: positions 0, 1 reached
+    tracker.observe("b", verified=0, accepted=0)  # nothing verified: no news, no ageing
+    overall = tracker.position_rates()
+    # Overall counts: reached [2, 2, 0], accepted [2, 1, 0].
+    assert overall[0] == pytest.approx((2 + 1) / (2 + 2))
+    assert overall[1] == pytest.approx((1 + 2 * overall[0]) / (2 + 2))
+    assert overall[2] == pytest.approx(overall[1])
+
+    tracker.forget("a")
+    assert tracker.position_rates("a") == overall
+    with pytest.raises(ValueError):
+        tracker.observe("b", verified=1, accepted=2)
+
+
+def test_acceptance_halves_old_evidence_every_half_life() -> None:
+    tracker = AcceptanceTracker(1, half_life_steps=1.0, prior_strength=1.0)
+    tracker.observe("r", verified=1, accepted=1)
+    tracker.observe("r", verified=1, accepted=0)
+    # Reached 0.5 + 1, accepted 0.5 + 0; overall prior 0.5 with strength 1.
+    overall = (0.5 + 0.5) / (1.5 + 1)
+    assert tracker.position_rates() == pytest.approx([overall])
+    assert tracker.position_rates("r") == pytest.approx([(0.5 + overall) / (1.5 + 1)])
+
+
+def test_expected_tokens_per_step_counts_the_bonus_token_and_each_accepted_prefix() -> None:
+    assert expected_tokens_per_step([0.5, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens_per_step([0.5, 0.5, 0.5], 2) == 1.0 + 0.5 + 0.25
+    assert expected_tokens_per_step([0.9, 0.5], 2) == pytest.approx(1.0 + 0.9 + 0.45)
+
+
+def test_disabled_when_k_max_is_zero() -> None:
+    decision = Controller(0, CostModel(), AcceptanceTracker(0)).choose(["r"])
+    assert (decision.k, decision.reason, decision.per_request_k) == (0, "disabled", {"r": 0})
+
+
+def test_predicted_step_time_is_always_positive() -> None:
+    cost = CostModel()
+    assert cost.predict(1, 0) > 0  # no data
+    # Steps that get faster the more is drafted (nonsense, but noise can fit it).
+    for k, seconds in [(0, 0.1), (0, 0.1), (1, 0.05), (1, 0.04), (2, 0.01), (2, 0.005)]:
+        cost.observe(StepRecord(seconds, 1, k, k, 0))
+    assert cost.predict(1, 6) > 0
+    assert cost.draft_seconds_per_token(1) >= 0
+    assert cost.verify_seconds_per_token() >= 0
