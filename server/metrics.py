@@ -119,7 +119,8 @@ WINDOW_ACCEPTANCE_LENGTH = Gauge(
 
 
 SPECULATIVE_TOKENS = Gauge(
-    "specserve_speculative_tokens", "Configured draft tokens per step (K); 0 without speculation",
+    "specserve_speculative_tokens",
+    "Configured draft tokens per step (K; the largest K in auto mode); 0 without speculation",
     ["model"],
 )  # fmt: skip
 BASELINE_TPOT = Gauge(
@@ -134,6 +135,8 @@ ENGINE_DTYPE = Gauge(
 )  # fmt: skip
 
 
+# Why the draft idles at a K=0 step (the autopilot's reasons, fixed mode's cut-off).
+IDLE_REASONS = ("not_paying", "batch_too_large", "calibrating", "disabled")
 SPECULATION_K_IN_FORCE = Gauge(
     "specserve_speculation_k_in_force",
     "K the draft proposed at the last engine step (0: the draft idled)",
@@ -144,7 +147,7 @@ SPECULATION_STEPS = Counter(
 )
 SPECULATION_IDLE_STEPS = Counter(
     "specserve_speculation_idle_steps_total",
-    "Engine steps with K=0, by why (not_paying, batch_too_large, disabled, calibrating)",
+    "Engine steps with K=0, by why (IDLE_REASONS)",
     ["model", "reason"],
 )  # fmt: skip
 SPECULATION_PREDICTED_SPEEDUP = Gauge(
@@ -176,7 +179,8 @@ def describe_server(
     From startup: requests by endpoint with status 200 (every endpoint) and
     each of `error_statuses` (generation endpoints); latency histograms and
     token counters per generation endpoint (tenant "anonymous"); speculation
-    counters per draft position. Later, at their first request: series of
+    counters per draft position, autopilot steps per K and per idle reason, and
+    the draft's counters. Later, at their first request: series of
     keyed tenants and of statuses outside that set.
     """
     model = info.model_name
@@ -198,6 +202,13 @@ def describe_server(
         counter.labels(model, ANONYMOUS_TENANT)
     for position in range(k):
         SPEC_ACCEPTED_PER_POSITION.labels(model, ANONYMOUS_TENANT, str(position))
+    if info.speculation is not None:
+        for steps_k in range(k + 1):
+            SPECULATION_STEPS.labels(model, str(steps_k))
+        for reason in IDLE_REASONS:
+            SPECULATION_IDLE_STEPS.labels(model, reason)
+        DRAFT_FORWARD_PASSES.labels(model)
+        DRAFT_CAUGHT_UP_TOKENS.labels(model)
 
 
 class SpeculationWindow:
