@@ -5,7 +5,8 @@ orchestrator does not kill a pod that is finishing its requests. /ready is 200
 only when the models are loaded, the engine is alive and the server is not
 draining: it is what takes a replica out of a load balancer. /health's body
 also says what the engine runs: the model and its dtype, with the reason the
-dtype was chosen (`details`).
+dtype was chosen, and what the speculation autopilot measured and decided
+last (`details`).
 """
 
 from fastapi import APIRouter, Request
@@ -24,7 +25,12 @@ async def health(engine: EngineDep) -> JSONResponse:
     if not await engine.check_health():
         raise EngineUnavailableError("the engine is not healthy")
     info = engine.info()
-    details = {"model": info.model_name, "dtype": info.dtype, "dtype_reason": info.dtype_reason}
+    details = {
+        "model": info.model_name,
+        "dtype": info.dtype,
+        "dtype_reason": info.dtype_reason,
+        "autopilot": engine.autopilot_state(),
+    }
     return JSONResponse({"status": "ok", "details": details})
 
 

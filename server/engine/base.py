@@ -10,7 +10,7 @@ here imports vllm or torch.
 
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,10 @@ class Engine(Protocol):
         """Per-step deltas; closing the iterator early aborts the request."""
 
     async def check_health(self) -> bool: ...
+
+    def autopilot_state(self) -> dict[str, Any] | None:
+        """What the speculation autopilot measured and decided last (its cost
+        model, acceptance by position, K and why); None without it."""
 
     async def start(self) -> None: ...
 

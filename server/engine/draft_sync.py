@@ -119,7 +119,8 @@ def _propose(proposer: Any, original: Any, values: dict[str, Any]) -> Any:
     req_ids: list[str] = list(batch.req_ids[: cad.num_reqs])
     query_start = cad.query_start_loc_cpu.tolist()
     positions = values["target_positions"]
-    starts = [int(positions[query_start[i]]) for i in range(cad.num_reqs)]
+    # Each request's first position this step, read back in one transfer.
+    starts: list[int] = positions[cad.query_start_loc[: cad.num_reqs]].tolist()
     _forget_finished(sync, proposer.specserve_live_requests)
     if num_speculative_tokens == 0:
         # The draft did not see these positions: its KV is valid only below

@@ -252,6 +252,13 @@ class VllmEngine:
             self._feed.close()
             self._feed = None
 
+    def autopilot_state(self) -> dict[str, Any] | None:
+        if self._feed is None:
+            return None
+        state = {**self._feed.scheduler(), **self._feed.draft()}
+        state.pop("source", None)
+        return state
+
     def info(self) -> EngineInfo:
         assert self._info is not None, "engine not started"
         return self._info

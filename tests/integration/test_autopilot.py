@@ -132,6 +132,10 @@ async def test_auto_mode_calibrates_decides_and_reports(auto_server: RunningServ
         if not summary["applied"]:
             assert summary["reason"] in {"not_paying", "batch_too_large", "calibrating"}
         text = (await http.get("/metrics")).text
+        state = (await http.get("/health")).json()["details"]["autopilot"]
+    assert state["mode"] == "auto" and state["cost_ready"], state
+    assert state["draft_seconds_per_token"] >= 0 and state["verify_seconds_per_token"] >= 0
+    assert len(state["acceptance_by_position"]) == 3
     labels = {"model": "tiny-auto"}
     assert REGISTRY.get_sample_value("specserve_speculation_k_in_force", labels) is not None
     assert REGISTRY.get_sample_value("specserve_speculation_predicted_speedup", labels) > 0

@@ -7,6 +7,7 @@ The integration tests run the same routes on the real vLLM engine.
 
 import asyncio
 from collections.abc import AsyncGenerator
+from typing import Any
 
 from server.engine.base import (
     ChoiceDelta,
@@ -51,6 +52,9 @@ class ScriptedEngine:
             dtype="float32",
             dtype_reason="set by --dtype",
         )
+
+    def autopilot_state(self) -> dict[str, Any] | None:
+        return None
 
     def tokenize(self, text: str) -> list[int]:
         return [len(word) for word in text.split()]

@@ -164,7 +164,12 @@ async def test_health_shows_the_dtype_and_why(client: httpx.AsyncClient) -> None
     body = (await client.get("/health")).json()
     assert body == {
         "status": "ok",
-        "details": {"model": "scripted", "dtype": "float32", "dtype_reason": "set by --dtype"},
+        "details": {
+            "model": "scripted",
+            "dtype": "float32",
+            "dtype_reason": "set by --dtype",
+            "autopilot": None,
+        },
     }
 
 
