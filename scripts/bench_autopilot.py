@@ -87,6 +87,18 @@ def _auto_speculation(server: dict[str, Any]) -> tuple[str, str]:
     return f"{fmt(rate)} / {fmt(length)}", mix or "-"
 
 
+def _identical(level: dict[str, Any], config: str) -> str:
+    """Requests whose greedy text equals the no-speculation server's for the same
+    prompt (both servers run the same seeded request sequence)."""
+    plain = {r["index"]: r for r in level["servers"]["no-spec"]["records"] if r["success"]}
+    pairs = [
+        (r["text"], plain[r["index"]]["text"])
+        for r in level["servers"][config]["records"]
+        if r["success"] and r["index"] in plain and r["item"] == plain[r["index"]]["item"]
+    ]
+    return f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
+
+
 def table(out: Path) -> str:
     """<out>/autopilot.md from the results.json files under <out>/<config>/."""
     rows: dict[tuple[str, float], dict[str, dict[str, Any]]] = {}
@@ -107,11 +119,13 @@ def table(out: Path) -> str:
         "auto / best fixed = auto's ratio over the larger of fixed-2's and fixed-4's. "
         f"⚠: auto below {AUTO_FLOOR}x no-spec or below {BEST_FLOOR}x best fixed. "
         "Auto acceptance from its /metrics counters; K mix: engine steps by K summed over "
-        "the requests' own speculation summaries; failed: requests of all the row's servers.",
+        "the requests' own speculation summaries; identical text: greedy replies equal to the "
+        "no-speculation server's for the same prompt (auto / fixed-2 / fixed-4); failed: "
+        "requests of all the row's servers.",
         "",
         "| workload | concurrency | auto | fixed-2 | fixed-4 | auto / best fixed | "
-        "auto acceptance rate / mean length | auto K mix | failed |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "auto acceptance rate / mean length | auto K mix | identical text | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (workload, concurrency), levels in sorted(rows.items()):
         gains = {c: levels[c]["speedup"] if c in levels else None for c in CONFIGS}
@@ -120,13 +134,14 @@ def table(out: Path) -> str:
         acceptance, mix = ("-", "-")
         if "auto" in levels:
             acceptance, mix = _auto_speculation(levels["auto"]["servers"]["auto"])
+        identical = " / ".join(_identical(levels[c], c) if c in levels else "-" for c in CONFIGS)
         failed = sum(
             s["summary"]["failed"] for level in levels.values() for s in level["servers"].values()
         )
         lines.append(
             f"| {workload} | {fmt(concurrency)} | {_mark(gains['auto'], AUTO_FLOOR)} | "
             f"{fmt(gains['fixed-2'])} | {fmt(gains['fixed-4'])} | {_mark(vs_best, BEST_FLOOR)} | "
-            f"{acceptance} | {mix} | {failed} |"
+            f"{acceptance} | {mix} | {identical} | {failed} |"
         )
     return "\n".join(lines) + "\n"
 

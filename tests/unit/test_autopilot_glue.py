@@ -1,0 +1,95 @@
+"""The autopilot's plumbing without an engine: reports from the engine
+processes reach the front end's metrics, and the engine falls back to fixed K
+where vLLM lacks the hooks."""
+
+import logging
+import os
+from collections import Counter
+
+import pytest
+from prometheus_client import REGISTRY
+
+from server.autopilot.feed import AutopilotFeed
+from server.engine import autopilot_scheduler, draft_sync
+from server.engine.autopilot_report import SOCKET_ENV, Reporter
+from server.engine.vllm_engine import EngineConfig, VllmEngine
+
+
+def _value(name: str, **labels: str) -> float | None:
+    return REGISTRY.get_sample_value(name, labels)
+
+
+async def test_reports_reach_the_metrics_as_counter_growth(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    feed = AutopilotFeed("feed-model")
+    feed.start()
+    monkeypatch.setenv(SOCKET_ENV, feed.path)
+    scheduler, draft = Reporter("scheduler"), Reporter("draft")
+    try:
+        report = {
+            "k": 2, "reason": None, "predicted_speedup": 1.4, "measured_speedup": 1.3,
+            "steps_by_k": {"0": 3, "2": 5}, "zero_steps_by_reason": {"not_paying": 3},
+        }  # fmt: skip
+        scheduler.send(report)
+        draft.send({"draft_forward_passes": 10, "draft_caught_up_tokens": 4})
+        assert feed.idle_reasons() == Counter(not_paying=3)
+        before = feed.idle_reasons()
+        # Totals are cumulative: counters grow by the difference.
+        scheduler.send({**report, "steps_by_k": {"0": 7, "2": 5}, "zero_steps_by_reason": {
+            "not_paying": 4, "batch_too_large": 3}})  # fmt: skip
+        feed.drain()
+        assert feed.idle_reasons() - before == Counter(batch_too_large=3, not_paying=1)
+        model = {"model": "feed-model"}
+        assert _value("specserve_speculation_steps_total", k="0", **model) == 7
+        assert _value("specserve_speculation_steps_total", k="2", **model) == 5
+        assert _value("specserve_speculation_k_in_force", **model) == 2
+        assert _value("specserve_speculation_predicted_speedup", **model) == 1.4
+        assert _value("specserve_draft_forward_passes_total", **model) == 10
+        assert _value("specserve_draft_caught_up_tokens_total", **model) == 4
+        reasons = {"reason": "batch_too_large", **model}
+        assert _value("specserve_speculation_idle_steps_total", **reasons) == 3
+    finally:
+        feed.close()
+
+
+def test_a_report_without_a_listener_is_kept_for_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SOCKET_ENV, "/nonexistent/specserve.sock")
+    reporter = Reporter("draft")
+    reporter.send({"draft_forward_passes": 1})
+    assert reporter._unsent is not None
+
+
+def test_script_parsing() -> None:
+    assert autopilot_scheduler.parse_script("0x2,3,1x3") == [0, 0, 3, 1, 1, 1]
+
+
+def test_the_pinned_vllm_has_every_hook_the_autopilot_uses() -> None:
+    assert autopilot_scheduler.missing_hooks() is None
+    assert draft_sync.missing_hooks() is None
+
+
+def _config() -> EngineConfig:
+    return EngineConfig(
+        model="m", served_model_name="m", draft_model="d", speculative_method="draft_model",
+        num_speculative_tokens=4, speculation_max_batch_size=1, max_model_len=None,
+        dtype="float32", seed=0, kv_cache_gib=2, max_num_seqs=16,
+    )  # fmt: skip
+
+
+def test_without_the_hooks_the_engine_runs_fixed_k_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(autopilot_scheduler, "missing_hooks", lambda: "Scheduler.schedule")
+    monkeypatch.delenv(draft_sync.ENABLED_ENV, raising=False)
+    engine = VllmEngine(_config())
+    with caplog.at_level(logging.WARNING):
+        assert engine._prepare_autopilot() is False
+    assert [r.getMessage() for r in caplog.records] == [
+        "speculation autopilot unavailable (this vLLM lacks Scheduler.schedule): fixed K=4"
+    ]
+    assert draft_sync.ENABLED_ENV not in os.environ
+    # vLLM's own table: K up to the fixed-mode cut-off, 0 above.
+    spec = engine._speculative_config(autopilot=False)
+    assert spec is not None
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 1, 4], [2, 16, 0]]
