@@ -1,30 +1,29 @@
-"""Never slower: speculation `auto` and fixed K=2 / K=4, each against no speculation.
+"""Never slower: speculation `auto` and fixed K=2 / K=4 against no speculation.
 
-One `specserve serve --no-speculation` server (port 8101) stays up throughout;
-each speculative configuration in turn gets its own server on port 8102:
+Four `specserve serve` configurations on the default pair:
 
+- no-spec: `--no-speculation`
 - auto:    `--speculation auto` (the default: the autopilot picks K per engine step)
 - fixed-2: `--speculation fixed --num-speculative-tokens 2
            --speculation-max-batch-size <max-num-seqs>` (speculating at every batch size)
 - fixed-4: the same with K=4
 
-and is compared with the no-speculation server by `python -m loadtest sweep
---a <config> --b no-spec` per workload (coding-chat and prose by default) at
-every concurrency level. A sweep runs each level in alternating rounds, ABBA
-order (A B, then B A; loadtest/runner.py `measure`), both servers getting the
-same seeded prompts, so each ratio is measured side by side in one run. Only
-two servers are ever up at once (~10 GB each). Levels are grouped by request
-count (default max(4, 2 * concurrency) per server per level), one sweep per
-group. Servers run as `python -m server serve` (what `specserve` runs).
+run one at a time (in float32, the dtype `auto` picks on CPUs without native
+bf16, two servers do not fit in 24 GB), in ABBA order over the whole run:
+no-spec, auto, fixed-2, fixed-4, fixed-4, fixed-2, auto, no-spec. Each server
+runs `python -m loadtest run` per workload (coding-chat and prose by default)
+at every concurrency level, with the same seeded prompts, so drift over the
+run hits every configuration alike and each ratio comes from one run.
 
-Every command is printed and written to <out>/commands.txt; each sweep's
-results go to <out>/<config>/<workload>-c<levels>/, and <out>/autopilot.md
-holds one table: output tokens/s ratio vs no-spec per configuration, auto /
-best fixed, and the auto server's acceptance and K mix (`--tables-only`
-rebuilds it). Engine flags after `--` go to every server.
+Every command is printed and written to <out>/commands.txt; each run's
+results go to <out>/pass<N>-<config>/<workload>-c<level>/, and
+<out>/autopilot.md holds one table: output tokens/s over no-spec's per
+configuration, auto / best fixed, auto's acceptance and K mix, and how many
+greedy replies equal no-spec's (`--tables-only` rebuilds it). Engine flags
+after `--` go to every server.
 
     .venv/bin/python scripts/bench_autopilot.py --out loadtest-results/autopilot \\
-        --concurrency 1 2 4 8 --max-tokens 64 -- --dtype float32
+        --concurrency 1 2 4 8 --max-tokens 32 -- --max-model-len 4096
 """
 
 import argparse
@@ -45,7 +44,7 @@ from loadtest.report import fmt
 from loadtest.workloads import BUNDLED
 
 CONFIGS = ("auto", "fixed-2", "fixed-4")
-PLAIN_PORT, SPEC_PORT = 8101, 8102
+PORT = 8101
 AUTO_FLOOR, BEST_FLOOR = 0.97, 0.95  # marked below these
 
 
@@ -69,16 +68,13 @@ def _mark(value: float | None, floor: float) -> str:
     return f"**{fmt(value)}** ⚠" if value is not None and value < floor else fmt(value)
 
 
-def _auto_speculation(server: dict[str, Any]) -> tuple[str, str]:
+def _auto_speculation(runs: list[dict[str, Any]]) -> tuple[str, str]:
     """Acceptance rate / mean acceptance length, and the K mix, of the auto server."""
-    summaries = [r["speculation"] for r in server["records"] if r.get("speculation")]
+    summaries = [r["speculation"] for run in runs for r in run["records"] if r.get("speculation")]
     drafts = sum(s.get("drafts", 0) for s in summaries)
-    figures = server.get("speculation") or {}
-    rate, length = figures.get("acceptance_rate"), figures.get("mean_acceptance_length")
-    if rate is None and drafts:  # no /metrics counters: the per-request summaries
-        accepted = sum(s.get("accepted_tokens", 0) for s in summaries)
-        rate = ratio(accepted, sum(s.get("draft_tokens", 0) for s in summaries))
-        length = 1 + accepted / drafts
+    accepted = sum(s.get("accepted_tokens", 0) for s in summaries)
+    rate = ratio(accepted, sum(s.get("draft_tokens", 0) for s in summaries))
+    length = 1 + accepted / drafts if drafts else None
     steps: Counter[int] = Counter()
     for s in summaries:
         steps.update({int(k): n for k, n in (s.get("steps_by_k") or {}).items()})
@@ -87,27 +83,36 @@ def _auto_speculation(server: dict[str, Any]) -> tuple[str, str]:
     return f"{fmt(rate)} / {fmt(length)}", mix or "-"
 
 
-def _identical(level: dict[str, Any], config: str) -> str:
-    """Requests whose greedy text equals the no-speculation server's for the same
-    prompt (both servers run the same seeded request sequence)."""
-    plain = {r["index"]: r for r in level["servers"]["no-spec"]["records"] if r["success"]}
+def _throughput(runs: list[dict[str, Any]]) -> float | None:
+    """Output tokens/s over all of a configuration's runs of one cell."""
+    tokens = sum(run["summary"]["total_output_tokens"] for run in runs)
+    seconds = sum(run["summary"]["duration_s"] for run in runs)
+    return tokens / seconds if seconds else None
+
+
+def _identical(runs: list[dict[str, Any]], plain: list[dict[str, Any]]) -> str:
+    """Greedy replies equal to no-spec's for the same prompt (same seeded sequence)."""
+    reference = {
+        (r["index"], r["item"]): r["text"] for run in plain for r in run["records"] if r["success"]
+    }
     pairs = [
-        (r["text"], plain[r["index"]]["text"])
-        for r in level["servers"][config]["records"]
-        if r["success"] and r["index"] in plain and r["item"] == plain[r["index"]]["item"]
+        (r["text"], reference[(r["index"], r["item"])])
+        for run in runs
+        for r in run["records"]
+        if r["success"] and (r["index"], r["item"]) in reference
     ]
     return f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
 
 
 def table(out: Path) -> str:
-    """<out>/autopilot.md from the results.json files under <out>/<config>/."""
-    rows: dict[tuple[str, float], dict[str, dict[str, Any]]] = {}
-    for path in sorted(out.glob("*/*/results.json")):
-        if path.parent.parent.name in CONFIGS:
-            data = json.loads(path.read_text())
-            for level in data["levels"]:
-                key = (data["config"]["workload"], level["level"])
-                rows.setdefault(key, {})[path.parent.parent.name] = level
+    """<out>/autopilot.md from the results.json files under <out>/pass*-<config>/."""
+    cells: dict[tuple[str, int], dict[str, list[dict[str, Any]]]] = {}
+    for path in sorted(out.glob("pass*/*/results.json")):
+        config = path.parent.parent.name.split("-", 1)[1]
+        data = json.loads(path.read_text())
+        level = int(path.parent.name.rsplit("-c", 1)[1])
+        key = (data["config"]["workload"], level)
+        cells.setdefault(key, {}).setdefault(config, []).append(data["servers"][config])
     lines = [
         "### Speculation auto vs fixed K, each against no speculation",
         "",
@@ -115,31 +120,31 @@ def table(out: Path) -> str:
         *_cpu(out),
         "```",
         "",
-        "Output tokens/s over the no-speculation server's in the same sweep (ABBA rounds); "
-        "auto / best fixed = auto's ratio over the larger of fixed-2's and fixed-4's. "
-        f"⚠: auto below {AUTO_FLOOR}x no-spec or below {BEST_FLOOR}x best fixed. "
-        "Auto acceptance from its /metrics counters; K mix: engine steps by K summed over "
-        "the requests' own speculation summaries; identical text: greedy replies equal to the "
-        "no-speculation server's for the same prompt (auto / fixed-2 / fixed-4); failed: "
-        "requests of all the row's servers.",
+        "Output tokens/s over the no-speculation server's, each configuration's two runs "
+        "(ABBA order over the whole benchmark) pooled; auto / best fixed = auto's ratio over "
+        f"the larger of fixed-2's and fixed-4's. ⚠: auto below {AUTO_FLOOR}x no-spec or below "
+        f"{BEST_FLOOR}x best fixed. Acceptance and K mix (engine steps by K) from auto's "
+        "per-response speculation summaries; identical text: greedy replies equal to "
+        "no-spec's for the same prompt (auto / fixed-2 / fixed-4); failed: requests of all "
+        "the cell's runs.",
         "",
-        "| workload | concurrency | auto | fixed-2 | fixed-4 | auto / best fixed | "
-        "auto acceptance rate / mean length | auto K mix | identical text | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | concurrency | no-spec tok/s | auto | fixed-2 | fixed-4 | "
+        "auto / best fixed | auto acceptance rate / mean length | auto K mix | "
+        "identical text | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (workload, concurrency), levels in sorted(rows.items()):
-        gains = {c: levels[c]["speedup"] if c in levels else None for c in CONFIGS}
+    for (workload, concurrency), runs in sorted(cells.items()):
+        plain = _throughput(runs.get("no-spec", []))
+        gains = {c: ratio(_throughput(runs[c]), plain) if c in runs else None for c in CONFIGS}
         fixed = [g for c, g in gains.items() if c != "auto" and g is not None]
-        vs_best = ratio(gains["auto"], max(fixed)) if fixed else None
-        acceptance, mix = ("-", "-")
-        if "auto" in levels:
-            acceptance, mix = _auto_speculation(levels["auto"]["servers"]["auto"])
-        identical = " / ".join(_identical(levels[c], c) if c in levels else "-" for c in CONFIGS)
-        failed = sum(
-            s["summary"]["failed"] for level in levels.values() for s in level["servers"].values()
+        vs_best = ratio(gains["auto"], max(fixed)) if fixed and gains["auto"] else None
+        acceptance, mix = _auto_speculation(runs["auto"]) if "auto" in runs else ("-", "-")
+        identical = " / ".join(
+            _identical(runs[c], runs.get("no-spec", [])) if c in runs else "-" for c in CONFIGS
         )
+        failed = sum(run["summary"]["failed"] for group in runs.values() for run in group)
         lines.append(
-            f"| {workload} | {fmt(concurrency)} | {_mark(gains['auto'], AUTO_FLOOR)} | "
+            f"| {workload} | {concurrency} | {fmt(plain)} | {_mark(gains['auto'], AUTO_FLOOR)} | "
             f"{fmt(gains['fixed-2'])} | {fmt(gains['fixed-4'])} | {_mark(vs_best, BEST_FLOOR)} | "
             f"{acceptance} | {mix} | {identical} | {failed} |"
         )
@@ -156,13 +161,15 @@ def main() -> None:
         usage="%(prog)s [options] [-- engine flags for every specserve server]",
     )
     parser.add_argument("--out", type=Path, default=Path("loadtest-results/autopilot"))
-    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    parser.add_argument(
+        "--configs", nargs="+", choices=["no-spec", *CONFIGS], default=["no-spec", *CONFIGS]
+    )
     parser.add_argument(
         "--workloads", nargs="+", choices=list(BUNDLED), default=["coding-chat", "prose"]
     )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument(
-        "--num-requests", type=int, help="per server per level (default max(4, 2 * concurrency))"
+        "--num-requests", type=int, help="per server per level and pass (default max(2, level))"
     )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=16)
@@ -198,33 +205,26 @@ def _run(args: argparse.Namespace, engine_extra: list[str]) -> None:
             commands.write(f"python {' '.join(command[1:])} &\n")
         return _start(name, command, dict(os.environ), port, logs)[0]
 
-    groups: dict[int, list[str]] = {}
-    for level in args.concurrency:
-        groups.setdefault(args.num_requests or max(4, 2 * level), []).append(str(level))
-    plain = serve("specserve-no-spec", PLAIN_PORT, ["--no-speculation"])
-    try:
-        for config in args.configs:
-            spec = serve(f"specserve-{config}", SPEC_PORT, _flags(config, args.max_num_seqs))
-            try:
-                for workload in args.workloads:
-                    for count, levels in groups.items():
-                        _loadtest(
-                            [
-                                "sweep", "--a", f"http://127.0.0.1:{SPEC_PORT}",
-                                "--a-label", config, "--b", f"http://127.0.0.1:{PLAIN_PORT}",
-                                "--b-label", "no-spec", "--workload", workload,
-                                "--concurrency", *levels, "--num-requests", str(count),
-                                "--max-tokens", str(args.max_tokens),
-                                "--max-batch", str(args.max_num_seqs), "--rounds", "2",
-                                "--warmup", "1", "--seed", "0", "--no-progress", "--output-dir",
-                                str(args.out / config / f"{workload}-c{'-'.join(levels)}"),
-                            ],
-                            record,
-                        )  # fmt: skip
-            finally:
-                _stop(spec)
-    finally:
-        _stop(plain)
+    order = [*args.configs, *reversed(args.configs)]
+    for number, config in enumerate(order):
+        flags = ["--no-speculation"] if config == "no-spec" else _flags(config, args.max_num_seqs)
+        server = serve(f"specserve-{config}-{number}", PORT, flags)
+        try:
+            for workload in args.workloads:
+                for level in args.concurrency:
+                    count = args.num_requests or max(2, level)
+                    _loadtest(
+                        [
+                            "run", "--url", f"http://127.0.0.1:{PORT}", "--label", config,
+                            "--workload", workload, "--concurrency", str(level),
+                            "--num-requests", str(count), "--max-tokens", str(args.max_tokens),
+                            "--seed", "0", "--no-progress", "--no-plots", "--output-dir",
+                            str(args.out / f"pass{number}-{config}" / f"{workload}-c{level}"),
+                        ],
+                        record,
+                    )  # fmt: skip
+        finally:
+            _stop(server)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,11 @@
 """`specserve serve` as a user runs it: a subprocess on the embedded default
-pair with speculation, driven by the official `openai` client."""
+pair with the speculation autopilot, driven by the official `openai` client.
+
+The server runs in float32: with bf16 weights greedy text can change with the
+K of each verify step (near-ties flip, see README), and the autopilot may pick
+different K for two identical requests, so only float32 makes streaming and
+non-streaming replies comparable token for token on every CPU.
+"""
 
 import os
 import signal
@@ -22,8 +28,10 @@ MESSAGES = [{"role": "user", "content": "Write a Python function that reverses a
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
     port = free_port()
+    command = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--dtype", "float32"]
     server = subprocess.Popen(
-        [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(port)],
+        command,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     url = f"http://127.0.0.1:{port}"
@@ -56,9 +64,15 @@ def test_chat_writes_python_and_streaming_agrees(client: openai.OpenAI) -> None:
     )
     text = plain.choices[0].message.content or ""
     assert "def " in text
+    # Whether speculation pays depends on the CPU: the autopilot decides, and
+    # says what it did either way.
     speculation = (plain.model_extra or {})["speculation"]
-    assert speculation["applied"] is True
-    assert 0 < speculation["accepted_tokens"] <= speculation["draft_tokens"]
+    assert speculation["mode"] == "auto"
+    assert sum(speculation["steps_by_k"].values()) > 0, speculation
+    if speculation["applied"]:
+        assert 0 < speculation["accepted_tokens"] <= speculation["draft_tokens"]
+    else:
+        assert speculation["reason"] in {"not_paying", "batch_too_large"}, speculation
     stream = client.chat.completions.create(
         model="qwen2.5-coder-1.5b-instruct",
         messages=MESSAGES,
@@ -84,7 +98,12 @@ def test_metrics_show_the_speculation(base_url: str, client: openai.OpenAI) -> N
     def total(prefix: str) -> float:
         return sum(value for name, value in samples.items() if name.startswith(prefix))
 
+    # The startup calibration drafted, so the draft ran and vLLM counted it;
+    # the autopilot counted every step by its K.
     assert total("vllm:spec_decode_num_draft_tokens_total") > 0
-    assert total("specserve_spec_decode_draft_tokens_total") > 0
+    assert total("specserve_draft_forward_passes_total") > 0
+    assert total("specserve_speculation_steps_total") > 0
     accepted = total("specserve_spec_decode_accepted_tokens_total")
-    assert 0 < accepted <= total("specserve_spec_decode_draft_tokens_total")
+    assert 0 <= accepted <= total("specserve_spec_decode_draft_tokens_total")
+    health = httpx.get(f"{base_url}/health", timeout=30).json()["details"]
+    assert health["autopilot"]["cost_ready"] is True
