@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 MODE_ENV = "SPECSERVE_SPECULATION_MODE"
 MAX_BATCH_ENV = "SPECSERVE_SPECULATION_MAX_BATCH_SIZE"
+# Requests the engine sends at startup to calibrate the cost model.
+CALIBRATION_PREFIX = "specserve-calibrate-"
 SCRIPT_ENV = "SPECSERVE_SPECULATION_SCRIPT"  # "0x4,3x4,1": K for so many steps, cycled
 
 
@@ -79,6 +81,10 @@ class AutopilotScheduler(Scheduler):
         if max(script) > self.num_spec_tokens:
             raise ValueError(f"speculation script goes past K={self.num_spec_tokens}")
         self._script: Iterator[int] = itertools.cycle(script)
+        # Calibration holds each K for two steps (the second verifies what the
+        # first proposed), at each batch size the calibration requests make.
+        self._calibration_cycle = [k for k in range(self.num_spec_tokens + 1) for _ in (0, 1)]
+        self._calibration_steps: Counter[int] = Counter()
         self._cost = CostModel()
         self._acceptance = AcceptanceTracker(self.num_spec_tokens)
         self._controller = Controller(self.num_spec_tokens, self._cost, self._acceptance)
@@ -108,6 +114,15 @@ class AutopilotScheduler(Scheduler):
         if self._mode == "script":
             k = next(self._script)
             return Decision(k, {}, None if k else "disabled", 1.0, False)
+        if self._mode == "auto" and all(r.startswith(CALIBRATION_PREFIX) for r in request_ids):
+            # Measured steps at every K at each calibration batch size (not
+            # only the first, which the policy alone would settle for), so
+            # the cost of a batch is measured, not extrapolated from one request.
+            batch = len(request_ids)
+            step = self._calibration_steps[batch]
+            self._calibration_steps[batch] += 1
+            k = self._calibration_cycle[step % len(self._calibration_cycle)]
+            return Decision(k, {}, None if k else "calibrating", 1.0, True)
         if self._mode == "fixed":
             if self._max_batch is not None and len(request_ids) > self._max_batch:
                 return Decision(0, {}, "batch_too_large", 1.0, False)

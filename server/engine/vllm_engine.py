@@ -195,15 +195,18 @@ class VllmEngine:
         return True
 
     async def _calibrate(self) -> None:
-        """Drive the autopilot's calibration (it cycles K through 0..Kmax while
-        its cost model is not ready): a lone request, then four at once."""
+        """Drive the autopilot's calibration: a lone request, then four at once,
+        while the scheduler cycles K through 0..Kmax (two steps each) for them."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
+        from server.engine import autopilot_scheduler
+
         started = time.perf_counter()
-        steps = 2 * (self._config.num_speculative_tokens + 1) + 2
+        # Enough tokens for the whole cycle even where every draft is accepted.
+        cycle = 2 * (self._config.num_speculative_tokens + 1)
         params = SamplingParams(
-            max_tokens=steps,
+            max_tokens=cycle * (self._config.num_speculative_tokens + 2) // 2 + 2,
             temperature=0,
             ignore_eos=True,
             output_kind=RequestOutputKind.FINAL_ONLY,
@@ -211,7 +214,8 @@ class VllmEngine:
         prompt = TokensPrompt(prompt_token_ids=self.tokenize(CALIBRATION_PROMPT))
 
         async def run(index: int) -> None:
-            async for _ in self._llm.generate(prompt, params, f"calibrate-{index}"):
+            request_id = f"{autopilot_scheduler.CALIBRATION_PREFIX}{index}"
+            async for _ in self._llm.generate(prompt, params, request_id):
                 pass
 
         for batch in ([0], [1, 2, 3, 4]):
