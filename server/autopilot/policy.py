@@ -13,6 +13,8 @@ from collections import deque
 from dataclasses import dataclass
 
 _MIN_STEP_SECONDS = 1e-6
+# Weight of a new step in a measured shape's mean: a few steps settle it, one outlier does not.
+_MEASURED_WEIGHT = 0.3
 # Pull toward the previous fit. Features are O(1)..O(B*K) and the window holds ~100 steps, so
 # this is negligible wherever the window has data and only holds the directions it leaves open
 # (a batch size or a K not seen lately) at their last estimate.
@@ -63,12 +65,20 @@ class CostModel:
         self._theta = [0.0] * 5  # a, b, c, d, e
         self._ready = False
         self._shapes: dict[int, set[tuple[int, int]]] = {}  # batch size -> (V, P) seen, until ready
+        # (batch size, K) -> recent mean time of steady steps of that shape (every request
+        # verified K and the draft proposed K). Kept when the window moves on: step time is
+        # not linear in the batch (rows are nearly free until the matmuls turn compute-bound,
+        # then cost in full), so a shape measured once (the startup calibration measures K =
+        # 0..k_max at two batch sizes) beats extrapolating from others. A shape is refreshed
+        # whenever steps take it again (the chosen K, probes).
+        self._measured: dict[tuple[int, int], float] = {}
 
     def observe(self, step: StepRecord) -> None:
         if step.prefill_tokens > 0 or step.batch_size <= 0:
             return  # prefill cost is not decode cost
         if len(self._steps) == self._window:
             self._add(*self._steps.popleft(), sign=-1.0)
+        steady = step.verified_tokens == step.batch_size * step.proposed_k
         x = _features(step.batch_size, step.verified_tokens, step.proposed_k)
         self._steps.append((x, step.duration))
         self._add(x, step.duration, sign=1.0)
@@ -84,6 +94,14 @@ class CostModel:
             if self._ready:
                 self._shapes.clear()
                 self._theta = _assume_batch_split(self._theta, step.batch_size)
+        if steady:
+            shape = (step.batch_size, step.proposed_k)
+            seconds = step.duration
+            if shape in self._measured:
+                seconds = (1 - _MEASURED_WEIGHT) * self._measured[shape] + (
+                    _MEASURED_WEIGHT * seconds
+                )
+            self._measured[shape] = seconds
 
     def _add(self, x: list[float], seconds: float, sign: float) -> None:  # one step in or out
         for i, xi in enumerate(x):
@@ -100,10 +118,31 @@ class CostModel:
         return self._ready
 
     def predict(self, batch_size: int, k: int) -> float:
-        """Steady-state step time: every request verifies k drafts and the draft proposes k."""
-        features = _features(batch_size, batch_size * k, k)
-        seconds = sum(t * x for t, x in zip(self._theta, features, strict=True))
+        """Steady-state step time: every request verifies k drafts and the draft proposes k.
+
+        A measured shape is its measured time; otherwise, at this K, a line through the two
+        measured batch sizes nearest this one, or the fit shifted onto the one measured batch
+        size; otherwise the fit.
+        """
+        sizes = sorted(
+            (abs(size - batch_size), size) for size, shape_k in self._measured if shape_k == k
+        )
+        if sizes and sizes[0][0] == 0:
+            seconds = self._measured[(batch_size, k)]
+        elif len(sizes) >= 2:
+            (_, b0), (_, b1) = sorted(sizes[:2], key=lambda item: item[1])
+            t0, t1 = self._measured[(b0, k)], self._measured[(b1, k)]
+            seconds = t0 + (t1 - t0) * (batch_size - b0) / (b1 - b0)
+        elif sizes:
+            b0 = sizes[0][1]
+            seconds = self._measured[(b0, k)] + self._fit(batch_size, k) - self._fit(b0, k)
+        else:
+            seconds = self._fit(batch_size, k)
         return max(seconds, _MIN_STEP_SECONDS)
+
+    def _fit(self, batch_size: int, k: int) -> float:
+        features = _features(batch_size, batch_size * k, k)
+        return sum(t * x for t, x in zip(self._theta, features, strict=True))
 
     def draft_seconds_per_token(self, batch_size: int) -> float:
         return max(self._theta[3] + self._theta[4] * batch_size, 0.0)
