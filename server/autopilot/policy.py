@@ -237,7 +237,8 @@ class AcceptanceTracker:
 
         Each rate is its counts blended with prior_strength pseudo-counts of a prior: overall,
         position p's prior is position p-1's rate (0.5 for the first), so a position never
-        reached carries the last reached one's rate forward; a request's prior is overall.
+        reached carries the last reached one's rate forward; a request's first position's
+        prior is overall capped at 0.5, each deeper one's its own previous position.
         """
         s = self._prior_strength
         overall: list[float] = []
@@ -245,13 +246,20 @@ class AcceptanceTracker:
         for reached, accepted in zip(self._overall.reached, self._overall.accepted, strict=True):
             prior = (accepted + s * prior) / (reached + s)
             overall.append(prior)
-        own = self._requests.get(request_id) if request_id is not None else None
-        if own is None:
+        if request_id is None:
             return overall
-        return [
-            (accepted + s * rate) / (reached + s)
-            for reached, accepted, rate in zip(own.reached, own.accepted, overall, strict=True)
-        ]
+        # A request is judged by its own drafts. Until it has some, its first position's
+        # prior is the traffic's rate capped at the neutral prior (a prose request arriving in
+        # code traffic must not be drafted at code's depth, and a short request ends before
+        # its own rate shows); each deeper position's prior is its own previous position.
+        own = self._requests.get(request_id)
+        rates: list[float] = []
+        prior = min(overall[0], _PRIOR_RATE) if overall else _PRIOR_RATE
+        for p in range(self._k_max):
+            reached, accepted = (own.reached[p], own.accepted[p]) if own else (0.0, 0.0)
+            prior = (accepted + s * prior) / (reached + s)
+            rates.append(prior)
+        return rates
 
     def forget(self, request_id: str) -> None:
         """The request finished: drop its state (memory stays bounded by the live requests)."""

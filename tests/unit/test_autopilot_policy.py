@@ -207,8 +207,8 @@ def test_slower_draft_turns_speculation_off_within_the_cost_window(seed: int) ->
     after = speculating(sim.run(400))
 
     # Once the cost model's 99-step window has turned over, the choice is the new optimum, but
-    # for a rare borderline step where noise lifts K=1 (truly 0.98x) over the 3% bar.
-    assert sum(after[99:]) <= 2
+    # for rare borderline steps (2% at most) where noise lifts K=1 (truly 0.98x) over the bar.
+    assert sum(after[99:]) <= 6
     # The shape it now runs is predicted from fresh steps. (A shape it stopped visiting keeps
     # its last measured time until a step takes it again.)
     assert sim.cost.predict(1, 0) == pytest.approx(slow_draft.seconds(1, 0, 0), rel=0.05)
@@ -364,9 +364,10 @@ def test_acceptance_counts_the_accepted_prefix_and_blends_requests_with_overall(
     tracker.observe("a", verified=3, accepted=1)
     # Overall: p0 = (1 + 2*0.5) / (1 + 2); p1 = (0 + 2*p0) / (1 + 2); p2 carries p1 forward.
     assert tracker.position_rates() == pytest.approx([2 / 3, 4 / 9, 4 / 9])
-    # Request: own counts plus 2 pseudo-counts at the overall rate.
-    assert tracker.position_rates("a") == pytest.approx([7 / 9, 8 / 27, 4 / 9])
-    assert tracker.position_rates("unknown") == tracker.position_rates()
+    # Request: own counts plus 2 pseudo-counts of a prior: at position 0 the overall rate
+    # capped at 0.5, deeper its own previous position (p2, never reached, carries p1).
+    assert tracker.position_rates("a") == pytest.approx([2 / 3, 4 / 9, 4 / 9])
+    assert tracker.position_rates("unknown") == pytest.approx([0.5, 0.5, 0.5])
 
     tracker.observe("b", verified=2, accepted=2)  # both accepted: positions 0, 1 reached
     tracker.observe("b", verified=0, accepted=0)  # nothing verified: no news, no ageing
@@ -377,7 +378,7 @@ def test_acceptance_counts_the_accepted_prefix_and_blends_requests_with_overall(
     assert overall[2] == pytest.approx(overall[1])
 
     tracker.forget("a")
-    assert tracker.position_rates("a") == overall
+    assert tracker.position_rates("a") == pytest.approx([0.5, 0.5, 0.5])  # min(overall, 0.5)
     with pytest.raises(ValueError):
         tracker.observe("b", verified=1, accepted=2)
 
@@ -412,3 +413,21 @@ def test_predicted_step_time_is_always_positive() -> None:
     assert cost.predict(1, 6) > 0
     assert cost.draft_seconds_per_token(1) >= 0
     assert cost.verify_seconds_per_token() >= 0
+
+
+def test_measured_batch_costs_outlive_the_window() -> None:
+    """Step time is not linear in the batch on a CPU: rows are nearly free until the matmuls
+    turn compute-bound. Calibration measures batch 4; a long stretch of batch-1 traffic must
+    not replace that with an extrapolation from batch 1, and batch 2 lies between."""
+
+    def seconds(batch: int, k: int) -> float:
+        return 0.3 + 0.08 * k + 0.06 * max(0, batch * (k + 1) - 4)
+
+    cost = CostModel()
+    for batch in (1, 4):
+        for k in (0, 0, 1, 1, 2, 2, 3, 3):
+            cost.observe(StepRecord(seconds(batch, k), batch, batch * k, k, 0))
+    for _ in range(300):
+        cost.observe(StepRecord(seconds(1, 2), 1, 2, 2, 0))
+    assert cost.predict(4, 3) == pytest.approx(seconds(4, 3), rel=0.01)
+    assert seconds(1, 2) < cost.predict(2, 2) < seconds(4, 2)
