@@ -345,11 +345,16 @@ class Controller:
             self._probe_interval = self._base_interval
             return Decision(best, self._caps(tokens, best, throughput[best]), None, speedup, False)
         self._off_steps += 1
-        if self._off_steps >= self._probe_interval:
+        reason = "batch_too_large" if batch > 1 and self._pays_alone(total, batch) else "not_paying"
+        # A probe refreshes acceptance. When the batch alone keeps speculation off, acceptance
+        # is not in doubt (it would pay alone) and a probe at this batch is the costliest kind
+        # (every request's draft catches up, every request verifies): only the longest
+        # interval's probe, against a stale cost estimate.
+        interval = self._max_interval if reason == "batch_too_large" else self._probe_interval
+        if self._off_steps >= interval:
             self._off_steps = 0
             self._probe_interval = min(2 * self._probe_interval, self._max_interval)
             return Decision(best, dict.fromkeys(request_ids, best), None, speedup, True)
-        reason = "batch_too_large" if batch > 1 and self._pays_alone(total, batch) else "not_paying"
         return Decision(0, dict.fromkeys(request_ids, 0), reason, 1.0, False)
 
     def _calibrate(self, request_ids: list[str]) -> Decision:

@@ -184,6 +184,11 @@ def test_batch_growth_turns_speculation_off_as_batch_too_large_and_back() -> Non
     assert not any(speculating(batch))
     assert {d.reason for d in batch if d.k == 0} == {"batch_too_large"}
     assert all(v == 0 for d in batch if d.k == 0 for v in d.per_request_k.values())
+    # Acceptance is not in doubt here, so no probe spends a costly batch-wide step on it
+    # before the longest interval (512 steps); one comes then, against a stale cost estimate.
+    assert not any(d.probing for d in batch)
+    longer = sim.run(500)
+    assert sum(d.probing for d in longer) == 1
 
     sim.set_requests({"r2": 0.9})
     back = sim.run(20)
