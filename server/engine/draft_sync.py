@@ -62,7 +62,9 @@ def missing_hooks() -> str | None:
         return str(exc)
     if not hasattr(GPUModelRunner, "propose_draft_token_ids"):
         return "GPUModelRunner.propose_draft_token_ids"
-    parameters = set(inspect.signature(DraftModelProposer.propose).parameters)
+    # Once patched (the plugin loads in this process too), check vLLM's own method.
+    propose = getattr(DraftModelProposer.propose, "specserve_original", DraftModelProposer.propose)
+    parameters = set(inspect.signature(propose).parameters)
     missing = _PROPOSE_PARAMETERS - parameters
     return f"DraftModelProposer.propose({', '.join(sorted(missing))})" if missing else None
 
@@ -104,6 +106,7 @@ def install() -> None:
         arguments = signature.bind(self, *args, **kwargs).arguments
         return _propose(self, original_propose, arguments)
 
+    propose.specserve_original = original_propose  # type: ignore[attr-defined]
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids  # type: ignore[method-assign]
     DraftModelProposer.propose = propose  # type: ignore[method-assign]
     DraftModelProposer.specserve_patched = True  # type: ignore[attr-defined]

@@ -93,3 +93,13 @@ def test_without_the_hooks_the_engine_runs_fixed_k_and_says_so(
     spec = engine._speculative_config(autopilot=False)
     assert spec is not None
     assert spec["num_speculative_tokens_per_batch_size"] == [[1, 1, 4], [2, 16, 0]]
+
+
+def test_the_hook_check_still_passes_once_the_patch_is_loaded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM loads the plugin in the front end too: a second engine started in the same
+    process must still find the hooks (it once fell back to fixed K here)."""
+    monkeypatch.setenv(draft_sync.ENABLED_ENV, "1")
+    draft_sync.install()
+    assert autopilot_scheduler.missing_hooks() is None
