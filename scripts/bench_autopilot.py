@@ -169,7 +169,7 @@ def main() -> None:
     )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument(
-        "--num-requests", type=int, help="per server per level and pass (default max(2, level))"
+        "--num-requests", type=int, help="per server per level and pass (default max(4, 2 x level))"
     )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=16)
@@ -212,7 +212,7 @@ def _run(args: argparse.Namespace, engine_extra: list[str]) -> None:
         try:
             for workload in args.workloads:
                 for level in args.concurrency:
-                    count = args.num_requests or max(2, level)
+                    count = args.num_requests or max(4, 2 * level)
                     _loadtest(
                         [
                             "run", "--url", f"http://127.0.0.1:{PORT}", "--label", config,

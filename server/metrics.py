@@ -136,7 +136,7 @@ ENGINE_DTYPE = Gauge(
 
 
 # Why the draft idles at a K=0 step (the autopilot's reasons, fixed mode's cut-off).
-IDLE_REASONS = ("not_paying", "batch_too_large", "calibrating", "disabled")
+IDLE_REASONS = ("not_paying", "batch_too_large", "too_short", "calibrating", "disabled")
 SPECULATION_K_IN_FORCE = Gauge(
     "specserve_speculation_k_in_force",
     "K the draft proposed at the last engine step (0: the draft idled)",

@@ -1,15 +1,18 @@
 """The speculation autopilot's policy: how many draft tokens (K) to propose each engine step.
 
 Owns the decision and what it rests on, with nothing that touches an engine (stdlib only):
-- CostModel: this machine's step time as a linear function of the step's shape, fitted online;
+- CostModel: this machine's step time as a linear function of the step's shape, fitted online,
+  and what the draft's catch-up over positions it missed costs per token;
 - AcceptanceTracker: per-position draft acceptance of the live traffic, overall and per request;
 - Controller: the K with the most expected output tokens per second (0 when speculation does not
-  pay), per-request caps on verified drafts, the startup calibration cycle, and the probes that
-  keep a stale "off" from lasting forever.
+  pay, or when the requests end before the draft's catch-up is paid back), per-request caps on
+  verified drafts, the startup calibration cycle, and the probes that keep a stale "off" from
+  lasting forever.
 The vLLM glue (server/engine/autopilot_scheduler.py) feeds it measurements and applies Decisions.
 """
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 _MIN_STEP_SECONDS = 1e-6
@@ -22,6 +25,9 @@ _RIDGE = 1e-3
 # Acceptance before any data: optimistic enough that a cheap draft gets tried, honest in that
 # it is below what code reaches (~0.9) and about what prose does.
 _PRIOR_RATE = 0.5
+# Output tokens a request is expected to still produce, at most, when pricing the draft's
+# catch-up against what speculation saves: a large max_tokens is a cap, not a promise (EOS).
+_HORIZON_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -33,12 +39,24 @@ class StepRecord:
     verified_tokens: int  # draft tokens the target verified in this step, summed over requests
     proposed_k: int  # K the draft proposed at the end of this step (0: the draft did not run)
     prefill_tokens: int  # prompt tokens computed in the step (0 for a pure decode step)
+    caught_up_tokens: int = 0  # positions the draft caught up on before proposing (K > 0 only)
 
 
-def _features(batch_size: int, verified: int, proposed: int) -> list[float]:
-    # Step time = a + b*B + c*V + P*(d + e*B): fixed cost, each request's own token, each
-    # verified draft, and P draft passes with a fixed and a per-request part.
-    return [1.0, float(batch_size), float(verified), float(proposed), float(proposed * batch_size)]
+def _features(batch_size: int, verified: int, proposed: int, caught_up: int = 0) -> list[float]:
+    # Step time = a + b*B + c*V + P*(d + e*B) + u*U: fixed cost, each request's own token, each
+    # verified draft, P draft passes with a fixed and a per-request part, and each position the
+    # draft catches up on after idling.
+    return [
+        1.0,
+        float(batch_size),
+        float(verified),
+        float(proposed),
+        float(proposed * batch_size),
+        float(caught_up),
+    ]
+
+
+_NUM_FEATURES = len(_features(1, 0, 0))
 
 
 class CostModel:
@@ -60,26 +78,25 @@ class CostModel:
         self._window = round((1.0 + forgetting) / (1.0 - forgetting))
         self._steps: deque[tuple[list[float], float]] = deque()
         # Features are integers: adding and dropping steps keeps this exact however long it runs.
-        self._gram = [[0.0] * 5 for _ in range(5)]
-        self._moment = [0.0] * 5
-        self._theta = [0.0] * 5  # a, b, c, d, e
+        self._gram = [[0.0] * _NUM_FEATURES for _ in range(_NUM_FEATURES)]
+        self._moment = [0.0] * _NUM_FEATURES
+        self._theta = [0.0] * _NUM_FEATURES  # a, b, c, d, e, u
         self._ready = False
         self._shapes: dict[int, set[tuple[int, int]]] = {}  # batch size -> (V, P) seen, until ready
-        # (batch size, K) -> recent mean time of steady steps of that shape (every request
-        # verified K and the draft proposed K). Kept when the window moves on: step time is
-        # not linear in the batch (rows are nearly free until the matmuls turn compute-bound,
-        # then cost in full), so a shape measured once (the startup calibration measures K =
-        # 0..k_max at two batch sizes) beats extrapolating from others. A shape is refreshed
-        # whenever steps take it again (the chosen K, probes).
-        self._measured: dict[tuple[int, int], float] = {}
+        # (batch size, K) -> (recent mean time of steady steps of that shape (every request
+        # verified K, the draft proposed K, caught up on nothing), the fit's time for the shape
+        # then). Kept when the window moves on: step time is not linear in the batch (rows are
+        # nearly free until the matmuls turn compute-bound, then cost in full), so a shape
+        # measured once (the startup calibration measures K = 0..k_max at two batch sizes)
+        # beats extrapolating from others. What the fit learnt since (a slower draft) moves it.
+        self._measured: dict[tuple[int, int], tuple[float, float]] = {}
 
     def observe(self, step: StepRecord) -> None:
         if step.prefill_tokens > 0 or step.batch_size <= 0:
             return  # prefill cost is not decode cost
         if len(self._steps) == self._window:
             self._add(*self._steps.popleft(), sign=-1.0)
-        steady = step.verified_tokens == step.batch_size * step.proposed_k
-        x = _features(step.batch_size, step.verified_tokens, step.proposed_k)
+        x = _features(step.batch_size, step.verified_tokens, step.proposed_k, step.caught_up_tokens)
         self._steps.append((x, step.duration))
         self._add(x, step.duration, sign=1.0)
         gram = [
@@ -87,6 +104,8 @@ class CostModel:
         ]
         rhs = [m + _RIDGE * t for m, t in zip(self._moment, self._theta, strict=True)]
         self._theta = _solve(gram, rhs)
+        if step.caught_up_tokens > 0:
+            return  # prices the catch-up; not a shape the readiness or the measured times use
         if not self._ready:
             shapes = self._shapes.setdefault(step.batch_size, set())
             shapes.add((step.verified_tokens, step.proposed_k))
@@ -94,14 +113,18 @@ class CostModel:
             if self._ready:
                 self._shapes.clear()
                 self._theta = _assume_batch_split(self._theta, step.batch_size)
-        if steady:
+                self._measured = {
+                    shape: (seconds, self._fit(*shape))
+                    for shape, (seconds, _) in self._measured.items()
+                }
+        if step.verified_tokens == step.batch_size * step.proposed_k:
             shape = (step.batch_size, step.proposed_k)
             seconds = step.duration
             if shape in self._measured:
-                seconds = (1 - _MEASURED_WEIGHT) * self._measured[shape] + (
+                seconds = (1 - _MEASURED_WEIGHT) * self._measured_seconds(shape) + (
                     _MEASURED_WEIGHT * seconds
                 )
-            self._measured[shape] = seconds
+            self._measured[shape] = (seconds, self._fit(*shape))
 
     def _add(self, x: list[float], seconds: float, sign: float) -> None:  # one step in or out
         for i, xi in enumerate(x):
@@ -114,28 +137,33 @@ class CostModel:
         """Three (V, P) shapes off one line at one batch size (where the features reduce to
         [1, V, P]) pin the plain step, verify and draft costs there; _assume_batch_split spreads
         them over other batch sizes until those are measured. A calibration cycle has them after
-        four steps: (0, 0), (0, 0), (0, 1), (1, 1). Stays true once reached."""
+        five steps: (0, 0), (0, 0), (0, 1) (the draft catches up: priced, not counted here),
+        (1, 1), (1, 2). Stays true once reached."""
         return self._ready
+
+    def _measured_seconds(self, shape: tuple[int, int]) -> float:
+        seconds, fit_then = self._measured[shape]
+        return seconds + self._fit(*shape) - fit_then
 
     def predict(self, batch_size: int, k: int) -> float:
         """Steady-state step time: every request verifies k drafts and the draft proposes k.
 
         A measured shape is its measured time; otherwise, at this K, a line through the two
         measured batch sizes nearest this one, or the fit shifted onto the one measured batch
-        size; otherwise the fit.
+        size; otherwise the fit. Measured times move with what the fit learnt since.
         """
         sizes = sorted(
             (abs(size - batch_size), size) for size, shape_k in self._measured if shape_k == k
         )
         if sizes and sizes[0][0] == 0:
-            seconds = self._measured[(batch_size, k)]
+            seconds = self._measured_seconds((batch_size, k))
         elif len(sizes) >= 2:
             (_, b0), (_, b1) = sorted(sizes[:2], key=lambda item: item[1])
-            t0, t1 = self._measured[(b0, k)], self._measured[(b1, k)]
+            t0, t1 = self._measured_seconds((b0, k)), self._measured_seconds((b1, k))
             seconds = t0 + (t1 - t0) * (batch_size - b0) / (b1 - b0)
         elif sizes:
             b0 = sizes[0][1]
-            seconds = self._measured[(b0, k)] + self._fit(batch_size, k) - self._fit(b0, k)
+            seconds = self._measured_seconds((b0, k)) + self._fit(batch_size, k) - self._fit(b0, k)
         else:
             seconds = self._fit(batch_size, k)
         return max(seconds, _MIN_STEP_SECONDS)
@@ -143,6 +171,10 @@ class CostModel:
     def _fit(self, batch_size: int, k: int) -> float:
         features = _features(batch_size, batch_size * k, k)
         return sum(t * x for t, x in zip(self._theta, features, strict=True))
+
+    def catch_up_seconds(self, tokens: int) -> float:
+        """What the draft catching up on `tokens` missed positions adds to a step."""
+        return max(self._theta[5], 0.0) * tokens
 
     def draft_seconds_per_token(self, batch_size: int) -> float:
         return max(self._theta[3] + self._theta[4] * batch_size, 0.0)
@@ -158,15 +190,15 @@ def _assume_batch_split(theta: list[float], batch_size: int) -> list[float]:
     (b = c: both are rows of the same forward pass), and the per-request part of a draft step
     is the same share of it as in a target step (e*B / (d + e*B) = b*B / (a + b*B)).
     """
-    a, b, c, d, e = theta
+    a, b, c, d, e, u = theta
     step, draft = a + b * batch_size, d + e * batch_size
     row = min(max(c, 0.0), max(step, 0.0) / batch_size)
     draft_row = draft * row / step if step > 0 else 0.0
-    return [step - row * batch_size, row, c, draft - draft_row * batch_size, draft_row]
+    return [step - row * batch_size, row, c, draft - draft_row * batch_size, draft_row, u]
 
 
 def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting (the system is 5x5 and positive definite)."""
+    """Gaussian elimination with partial pivoting (the system is small and positive definite)."""
     n = len(rhs)
     rows = [[*row, value] for row, value in zip(matrix, rhs, strict=True)]
     for col in range(n):
@@ -210,7 +242,7 @@ class AcceptanceTracker:
     """
 
     def __init__(
-        self, k_max: int, half_life_steps: float = 16.0, prior_strength: float = 4.0
+        self, k_max: int, half_life_steps: float = 16.0, prior_strength: float = 2.0
     ) -> None:
         if k_max < 0 or half_life_steps <= 0 or prior_strength <= 0:
             raise ValueError("k_max must be >= 0, half_life_steps and prior_strength > 0")
@@ -238,7 +270,7 @@ class AcceptanceTracker:
         Each rate is its counts blended with prior_strength pseudo-counts of a prior: overall,
         position p's prior is position p-1's rate (0.5 for the first), so a position never
         reached carries the last reached one's rate forward; a request's first position's
-        prior is overall capped at 0.5, each deeper one's its own previous position.
+        prior is the overall one, each deeper one's its own previous position.
         """
         s = self._prior_strength
         overall: list[float] = []
@@ -248,13 +280,13 @@ class AcceptanceTracker:
             overall.append(prior)
         if request_id is None:
             return overall
-        # A request is judged by its own drafts. Until it has some, its first position's
-        # prior is the traffic's rate capped at the neutral prior (a prose request arriving in
-        # code traffic must not be drafted at code's depth, and a short request ends before
-        # its own rate shows); each deeper position's prior is its own previous position.
+        # A request is judged by its own drafts. Until it has some, it is assumed to be like
+        # the traffic (a short request would end before its own rate shows; a prose request in
+        # code traffic costs a few drafted steps, after which its own misses outweigh the
+        # prior); each deeper position's prior is its own previous position.
         own = self._requests.get(request_id)
         rates: list[float] = []
-        prior = min(overall[0], _PRIOR_RATE) if overall else _PRIOR_RATE
+        prior = overall[0] if overall else _PRIOR_RATE
         for p in range(self._k_max):
             reached, accepted = (own.reached[p], own.accepted[p]) if own else (0.0, 0.0)
             prior = (accepted + s * prior) / (reached + s)
@@ -264,6 +296,14 @@ class AcceptanceTracker:
     def forget(self, request_id: str) -> None:
         """The request finished: drop its state (memory stays bounded by the live requests)."""
         self._requests.pop(request_id, None)
+
+
+def _pays_back(catch_up: float, tokens_left: float, baseline: float, faster: float) -> bool:
+    """Does producing tokens_left at the faster rate instead of baseline (tokens/s) save more
+    than catch_up seconds? (Nothing to catch up on always pays back.)"""
+    if catch_up <= 0.0:
+        return faster > baseline
+    return tokens_left * (1.0 / baseline - 1.0 / faster) >= catch_up
 
 
 def _tokens_by_k(rates: list[float], k_max: int) -> list[float]:
@@ -287,7 +327,8 @@ class Decision:
 
     k: int  # K for this step (what the draft proposes)
     per_request_k: dict[str, int]  # each request's cap on drafts it verifies next step (<= k)
-    reason: str | None  # None if k > 0, else not_paying, batch_too_large, disabled, calibrating
+    # None if k > 0, else not_paying, batch_too_large, too_short, disabled, calibrating
+    reason: str | None
     predicted_speedup: float  # predicted tokens/s at k over tokens/s at k=0 (1.0 when unknown)
     probing: bool  # this k is a probe (or calibration), not the optimum
 
@@ -296,9 +337,14 @@ class Controller:
     """Each step, the K in 0..k_max with the most predicted output tokens per second.
 
     K > 0 only when it beats K = 0 by min_gain (noise must never make users slower than no
-    speculation). While K stays 0 nothing is verified, so every probe interval one step runs
-    the best K >= 1 to let acceptance show it recovered. The interval doubles while probes
-    leave K at 0 (overhead ~1/interval where speculation never pays), resets when it resumes.
+    speculation), and only when what it saves over the requests' remaining tokens pays for the
+    draft catching up on the positions it missed while idle (its share of a new prompt
+    included): a short request does not pay back a long prompt's catch-up ("too_short").
+    While K stays 0 nothing is verified, so every probe interval one step runs the best K >= 1
+    to let acceptance show it recovered, if even perfect acceptance could pay back that step's
+    catch-up (otherwise the probe could not change the answer). The interval doubles while
+    probes leave K at 0 (overhead ~1/interval where speculation never pays), resets when it
+    resumes.
     """
 
     def __init__(
@@ -325,7 +371,15 @@ class Controller:
         self._calibration_steps = 0
         self._off_steps = 0  # K = 0 steps since speculation stopped or since the last probe
 
-    def choose(self, request_ids: list[str]) -> Decision:
+    def choose(
+        self,
+        request_ids: list[str],
+        draft_behind: Mapping[str, int] | None = None,
+        tokens_left: Mapping[str, int] | None = None,
+    ) -> Decision:
+        """K for the next step of these requests. draft_behind: positions each request's draft
+        must catch up on if K > 0 (0 when in step); tokens_left: output tokens each may still
+        produce (its max_tokens left). Unknown requests: in step, the horizon left."""
         if self._k_max == 0:
             return Decision(0, dict.fromkeys(request_ids, 0), "disabled", 1.0, False)
         if not request_ids:
@@ -333,29 +387,59 @@ class Controller:
         if not self._cost.ready:
             return self._calibrate(request_ids)
         batch = len(request_ids)
+        behind = sum((draft_behind or {}).get(r, 0) for r in request_ids)
+        catch_up = self._cost.catch_up_seconds(behind)
+        left = sum(
+            min((tokens_left or {}).get(r, _HORIZON_TOKENS), _HORIZON_TOKENS) for r in request_ids
+        )
         tokens = {
             r: _tokens_by_k(self._acceptance.position_rates(r), self._k_max) for r in request_ids
         }
         total = [sum(t[k] for t in tokens.values()) for k in range(self._k_max + 1)]
-        throughput = [total[k] / self._cost.predict(batch, k) for k in range(self._k_max + 1)]
+        throughput = self._throughput(total, batch)
         best = max(range(1, self._k_max + 1), key=throughput.__getitem__)  # ties: fewer drafts
         speedup = throughput[best] / throughput[0]
-        if speedup >= 1.0 + self._min_gain:
+        paying = speedup >= 1.0 + self._min_gain
+        if paying and _pays_back(catch_up, left, throughput[0], throughput[best]):
             self._off_steps = 0
             self._probe_interval = self._base_interval
             return Decision(best, self._caps(tokens, best, throughput[best]), None, speedup, False)
         self._off_steps += 1
-        reason = "batch_too_large" if batch > 1 and self._pays_alone(total, batch) else "not_paying"
-        # A probe refreshes acceptance. When the batch alone keeps speculation off, acceptance
-        # is not in doubt (it would pay alone) and a probe at this batch is the costliest kind
-        # (every request's draft catches up, every request verifies): only the longest
-        # interval's probe, against a stale cost estimate.
-        interval = self._max_interval if reason == "batch_too_large" else self._probe_interval
-        if self._off_steps >= interval:
+        if paying:
+            reason = "too_short"
+        elif batch > 1 and self._pays_alone(total, batch):
+            reason = "batch_too_large"
+        else:
+            reason = "not_paying"
+        if self._probe_due(reason, batch, catch_up, left, throughput[0]):
             self._off_steps = 0
             self._probe_interval = min(2 * self._probe_interval, self._max_interval)
             return Decision(best, dict.fromkeys(request_ids, best), None, speedup, True)
         return Decision(0, dict.fromkeys(request_ids, 0), reason, 1.0, False)
+
+    def _probe_due(
+        self, reason: str, batch: int, catch_up: float, left: float, baseline: float
+    ) -> bool:
+        if reason == "too_short":
+            return False  # acceptance is known to pay; the tokens left are what is short
+        if reason == "batch_too_large":
+            # Acceptance is not in doubt (it would pay alone) and a probe at this batch is the
+            # costliest kind (every request's draft catches up, every request verifies): only
+            # the longest interval's, against a stale cost estimate.
+            return self._off_steps >= self._max_interval
+        # A probe refreshes acceptance: worth its catch-up only if the answer could change.
+        return self._off_steps >= self._probe_interval and self._could_pay(
+            batch, catch_up, left, baseline
+        )
+
+    def _throughput(self, total: list[float], batch: int) -> list[float]:
+        """Predicted output tokens/s at K = 0..k_max, given expected tokens per step at each."""
+        return [total[k] / self._cost.predict(batch, k) for k in range(self._k_max + 1)]
+
+    def _could_pay(self, batch: int, catch_up: float, left: float, baseline: float) -> bool:
+        """Would speculation pay back this catch-up if every draft were accepted?"""
+        perfect = self._throughput([float(batch * (k + 1)) for k in range(self._k_max + 1)], batch)
+        return _pays_back(catch_up, left, baseline, max(perfect[1:]))
 
     def _calibrate(self, request_ids: list[str]) -> Decision:
         # Each K is held two steps so the second verifies what the first proposed (a steady-state

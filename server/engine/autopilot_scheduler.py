@@ -4,9 +4,11 @@ Loaded by vLLM's EngineCore process through `SchedulerConfig.scheduler_cls`.
 After vLLM's own `schedule()` it sets `num_spec_tokens_to_schedule` (the K the
 draft proposes at the end of the step) from a decision of
 `server.autopilot.policy`, and caps each request's drafts when its own
-acceptance does not pay for verifying them. After the step it feeds the
-policy what it measured: the step's duration and shape (cost model) and each
-request's accepted draft prefix (acceptance). Totals go to the front end
+acceptance does not pay for verifying them. It tracks up to which position
+each request's draft has seen its tokens (the draft idles at K=0), so the
+policy can price the catch-up. After the step it feeds the policy what it
+measured: the step's duration and shape (cost model) and each request's
+accepted draft prefix (acceptance). Totals go to the front end
 through `autopilot_report`.
 
 Modes come from the environment the engine sets before vLLM spawns this
@@ -89,6 +91,9 @@ class AutopilotScheduler(Scheduler):
         self._acceptance = AcceptanceTracker(self.num_spec_tokens)
         self._controller = Controller(self.num_spec_tokens, self._cost, self._acceptance)
         self._decision: Decision | None = None
+        # request id -> positions its draft has seen (mirrors draft_sync's catch-up)
+        self._draft_seen: dict[str, int] = {}
+        self._caught_up = 0  # positions the draft catches up on in the step being run
         self._scheduled_at = 0.0
         self._steps_by_k: Counter[int] = Counter()
         self._zero_steps_by_reason: Counter[str] = Counter()
@@ -101,8 +106,13 @@ class AutopilotScheduler(Scheduler):
         request_ids = list(output.num_scheduled_tokens)
         if not request_ids:
             return output
-        decision = self._decide(request_ids)
+        behind = self._draft_behind(output)
+        decision = self._decide(request_ids, behind)
         output.num_spec_tokens_to_schedule = decision.k
+        self._caught_up = sum(behind.values()) if decision.k else 0
+        if decision.k:
+            for request_id in request_ids:
+                self._draft_seen[request_id] = self.requests[request_id].num_computed_tokens
         self._decision = decision
         self._steps_by_k[decision.k] += 1
         if decision.k == 0 and decision.reason is not None:
@@ -110,7 +120,20 @@ class AutopilotScheduler(Scheduler):
         self._scheduled_at = time.perf_counter()
         return output
 
-    def _decide(self, request_ids: list[str]) -> Decision:
+    def _draft_behind(self, output: Any) -> dict[str, int]:
+        """Positions each scheduled request's draft would have to catch up on this step
+        beyond a decode step's own (its new token and the drafts it verifies): what it missed
+        while idle, and a prompt chunk scheduled now. vLLM has already advanced
+        num_computed_tokens past this step's tokens."""
+        behind = {}
+        for request_id, scheduled in output.num_scheduled_tokens.items():
+            drafts = len(output.scheduled_spec_decode_tokens.get(request_id, ()))
+            computed = self.requests[request_id].num_computed_tokens
+            own = 1 + drafts if scheduled >= 1 + drafts else scheduled
+            behind[request_id] = max(0, computed - own - self._draft_seen.get(request_id, 0))
+        return behind
+
+    def _decide(self, request_ids: list[str], behind: dict[str, int]) -> Decision:
         if self._mode == "script":
             k = next(self._script)
             return Decision(k, {}, None if k else "disabled", 1.0, False)
@@ -127,17 +150,22 @@ class AutopilotScheduler(Scheduler):
             if self._max_batch is not None and len(request_ids) > self._max_batch:
                 return Decision(0, {}, "batch_too_large", 1.0, False)
             return Decision(self.num_spec_tokens, {}, None, 1.0, False)
-        return self._controller.choose(request_ids)
+        tokens_left = {
+            r: max(1, (self.requests[r].max_tokens or 1) - self.requests[r].num_output_tokens)
+            for r in request_ids
+        }
+        return self._controller.choose(request_ids, behind, tokens_left)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         duration = time.perf_counter() - self._scheduled_at
         decision = self._decision
         step = self._observe(scheduler_output, model_runner_output, duration, decision)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        for request_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(request_id)
-            if request is None or request.is_finished():
-                self._acceptance.forget(request_id)
+        # Finished and aborted requests leave vLLM's table; every request with acceptance
+        # state had drafts, so it is in _draft_seen.
+        for request_id in [r for r in self._draft_seen if r not in self.requests]:
+            self._acceptance.forget(request_id)
+            del self._draft_seen[request_id]
         if step is not None:
             self._report(decision)
         return outputs
@@ -169,6 +197,7 @@ class AutopilotScheduler(Scheduler):
             verified_tokens=verified_total,
             proposed_k=decision.k,
             prefill_tokens=prefill_tokens,
+            caught_up_tokens=self._caught_up,
         )
         self._cost.observe(step)
         if prefill_tokens == 0 and self._cost.ready and generated:

@@ -36,7 +36,20 @@ logger = logging.getLogger(__name__)
 
 AUTOPILOT_SCHEDULER = "server.engine.autopilot_scheduler.AutopilotScheduler"
 # Drives the autopilot's calibration steps; any text works, code is typical traffic.
-CALIBRATION_PROMPT = "def fibonacci(n):\n    "
+# The lone calibration request's prompt: long enough (~80 tokens) that the draft's first
+# catch-up is measured over a prompt's worth of positions, not a handful (the policy prices
+# catch-ups per token from it). The batch round's prompts are short: a batch prefill is slow.
+CALIBRATION_PROMPT = (
+    "def merge_sorted(left: list[int], right: list[int]) -> list[int]:\n"
+    '    """Merge two sorted lists into one sorted list, keeping duplicates."""\n'
+    "    merged: list[int] = []\n"
+    "    i = j = 0\n"
+    "    while i < len(left) and j < len(right):\n"
+    "        if left[i] <= right[j]:\n"
+    "            merged.append(left[i])\n"
+    "            i += 1\n"
+)
+CALIBRATION_BATCH_PROMPT = "def fibonacci(n):\n    "
 
 
 @dataclass(frozen=True)
@@ -211,15 +224,16 @@ class VllmEngine:
             ignore_eos=True,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        prompt = TokensPrompt(prompt_token_ids=self.tokenize(CALIBRATION_PROMPT))
+        lone = TokensPrompt(prompt_token_ids=self.tokenize(CALIBRATION_PROMPT))
+        batched = TokensPrompt(prompt_token_ids=self.tokenize(CALIBRATION_BATCH_PROMPT))
 
-        async def run(index: int) -> None:
+        async def run(index: int, prompt: TokensPrompt) -> None:
             request_id = f"{autopilot_scheduler.CALIBRATION_PREFIX}{index}"
             async for _ in self._llm.generate(prompt, params, request_id):
                 pass
 
-        for batch in ([0], [1, 2, 3, 4]):
-            await asyncio.gather(*(run(index) for index in batch))
+        await run(0, lone)
+        await asyncio.gather(*(run(index, batched) for index in range(1, 5)))
         assert self._feed is not None
         logger.info(
             "speculation autopilot calibrated in %.1f s (cost model ready: %s)",

@@ -170,8 +170,9 @@ def speculation_summary(engine: Engine, observer: RequestObserver) -> Speculatio
 
     When no draft was verified, `reason` says why: "disabled" (no speculation
     on this server), the autopilot's reason for idling the draft while the
-    request ran ("not_paying", "batch_too_large", "calibrating"), or
-    "too_short" (the output ended before a draft could be verified).
+    request ran ("not_paying", "batch_too_large", "calibrating", "too_short":
+    too few tokens left to pay back the draft catching up on the prompt), or
+    "too_short" also when the output ended before a draft could be verified.
     """
     config = engine.info().speculation
     if config is None:

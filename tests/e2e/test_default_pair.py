@@ -72,7 +72,7 @@ def test_chat_writes_python_and_streaming_agrees(client: openai.OpenAI) -> None:
     if speculation["applied"]:
         assert 0 < speculation["accepted_tokens"] <= speculation["draft_tokens"]
     else:
-        assert speculation["reason"] in {"not_paying", "batch_too_large"}, speculation
+        assert speculation["reason"] in {"not_paying", "batch_too_large", "too_short"}, speculation
     stream = client.chat.completions.create(
         model="qwen2.5-coder-1.5b-instruct",
         messages=MESSAGES,
