@@ -5,6 +5,7 @@ where vLLM lacks the hooks."""
 import logging
 import os
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import REGISTRY
@@ -62,6 +63,39 @@ def test_a_report_without_a_listener_is_kept_for_later(monkeypatch: pytest.Monke
 
 def test_script_parsing() -> None:
     assert autopilot_scheduler.parse_script("0x2,3,1x3") == [0, 0, 3, 1, 1, 1]
+
+
+def test_the_scheduler_counts_the_positions_the_draft_must_catch_up_on() -> None:
+    """The glue's mirror of the draft's position, on vLLM's own bookkeeping: schedule() has
+    already advanced num_computed_tokens past the step's tokens."""
+    scheduler = object.__new__(autopilot_scheduler.AutopilotScheduler)
+    scheduler._draft_seen = {}
+    request = SimpleNamespace(num_computed_tokens=0)
+    scheduler.requests = {"r": request}
+
+    def step(scheduled: int, drafts: int = 0) -> int:
+        request.num_computed_tokens += scheduled
+        output = SimpleNamespace(
+            num_scheduled_tokens={"r": scheduled},
+            scheduled_spec_decode_tokens={"r": [0] * drafts} if drafts else {},
+        )
+        return scheduler._draft_behind(output)["r"]
+
+    # A 40-token prompt: all but the step's own token is the draft's to prefill.
+    assert step(40) == 39
+    scheduler._draft_seen["r"] = request.num_computed_tokens  # K > 0: the draft saw it
+    assert step(1) == 0  # in step: a decode step's own token only
+    # Three idle steps, then the next decide sees the three positions the draft missed.
+    scheduler._draft_seen["r"] = request.num_computed_tokens
+    for _ in range(3):
+        step(1)
+    assert step(1) == 3
+    # Verifying 2 drafts: the step's own tokens are 1 + 2; a rejection rolls vLLM back.
+    scheduler._draft_seen["r"] = request.num_computed_tokens
+    assert step(3, drafts=2) == 0
+    scheduler._draft_seen["r"] = request.num_computed_tokens
+    request.num_computed_tokens -= 2  # both drafts rejected
+    assert step(1) == 0
 
 
 def test_the_pinned_vllm_has_every_hook_the_autopilot_uses() -> None:
