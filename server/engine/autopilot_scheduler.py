@@ -110,9 +110,6 @@ class AutopilotScheduler(Scheduler):
         decision = self._decide(request_ids, behind)
         output.num_spec_tokens_to_schedule = decision.k
         self._caught_up = sum(behind.values()) if decision.k else 0
-        if decision.k:
-            for request_id in request_ids:
-                self._draft_seen[request_id] = self.requests[request_id].num_computed_tokens
         self._decision = decision
         self._steps_by_k[decision.k] += 1
         if decision.k == 0 and decision.reason is not None:
@@ -132,6 +129,14 @@ class AutopilotScheduler(Scheduler):
             own = 1 + drafts if scheduled >= 1 + drafts else scheduled
             behind[request_id] = max(0, computed - own - self._draft_seen.get(request_id, 0))
         return behind
+
+    def _draft_saw(self, request_ids: Any) -> None:
+        """After a step with K > 0: the draft has seen each request's tokens up to where vLLM
+        now stands, rejected drafts already rolled back (as draft_sync's valid_until)."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._draft_seen[request_id] = request.num_computed_tokens
 
     def _decide(self, request_ids: list[str], behind: dict[str, int]) -> Decision:
         if self._mode == "script":
@@ -161,6 +166,8 @@ class AutopilotScheduler(Scheduler):
         decision = self._decision
         step = self._observe(scheduler_output, model_runner_output, duration, decision)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if decision is not None and decision.k:
+            self._draft_saw(scheduler_output.num_scheduled_tokens)
         # Finished and aborted requests leave vLLM's table; every request with acceptance
         # state had drafts, so it is in _draft_seen.
         for request_id in [r for r in self._draft_seen if r not in self.requests]:

@@ -83,19 +83,24 @@ def test_the_scheduler_counts_the_positions_the_draft_must_catch_up_on() -> None
 
     # A 40-token prompt: all but the step's own token is the draft's to prefill.
     assert step(40) == 39
-    scheduler._draft_seen["r"] = request.num_computed_tokens  # K > 0: the draft saw it
+    scheduler._draft_saw(["r"])  # after a step with K > 0
     assert step(1) == 0  # in step: a decode step's own token only
     # Three idle steps, then the next decide sees the three positions the draft missed.
-    scheduler._draft_seen["r"] = request.num_computed_tokens
+    scheduler._draft_saw(["r"])
     for _ in range(3):
         step(1)
     assert step(1) == 3
-    # Verifying 2 drafts: the step's own tokens are 1 + 2; a rejection rolls vLLM back.
-    scheduler._draft_seen["r"] = request.num_computed_tokens
+    # Verifying 2 drafts: the step's own tokens are 1 + 2. Both rejected: vLLM rolls back
+    # before the draft's position is taken, so after two idle steps it has missed exactly 2.
+    scheduler._draft_saw(["r"])
     assert step(3, drafts=2) == 0
-    scheduler._draft_seen["r"] = request.num_computed_tokens
-    request.num_computed_tokens -= 2  # both drafts rejected
-    assert step(1) == 0
+    request.num_computed_tokens -= 2
+    scheduler._draft_saw(["r"])
+    step(1)
+    step(1)
+    assert step(1) == 2
+    scheduler._draft_saw(["gone"])  # a finished request: nothing to remember
+    assert "gone" not in scheduler._draft_seen
 
 
 def test_the_pinned_vllm_has_every_hook_the_autopilot_uses() -> None:
