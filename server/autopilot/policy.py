@@ -16,8 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 _MIN_STEP_SECONDS = 1e-6
-# Weight of a new step in a measured shape's mean: a few steps settle it, one outlier does not.
-_MEASURED_WEIGHT = 0.3
+# Steady steps kept per measured shape. Its time is their low median: step times are noisy
+# upwards (on a 2-core CPU the first decode step after a 317-token prefill took 1.75x the usual),
+# so one slow step does not define a shape once a second sample exists.
+_SHAPE_SAMPLES = 5
 # Pull toward the previous fit. Features are O(1)..O(B*K) and the window holds ~100 steps, so
 # this is negligible wherever the window has data and only holds the directions it leaves open
 # (a batch size or a K not seen lately) at their last estimate.
@@ -83,13 +85,13 @@ class CostModel:
         self._theta = [0.0] * _NUM_FEATURES  # a, b, c, d, e, u
         self._ready = False
         self._shapes: dict[int, set[tuple[int, int]]] = {}  # batch size -> (V, P) seen, until ready
-        # (batch size, K) -> (recent mean time of steady steps of that shape (every request
-        # verified K, the draft proposed K, caught up on nothing), the fit's time for the shape
-        # then). Kept when the window moves on: step time is not linear in the batch (rows are
-        # nearly free until the matmuls turn compute-bound, then cost in full), so a shape
-        # measured once (the startup calibration measures K = 0..k_max at two batch sizes)
-        # beats extrapolating from others. What the fit learnt since (a slower draft) moves it.
-        self._measured: dict[tuple[int, int], tuple[float, float]] = {}
+        # (batch size, K) -> the last few steady steps of that shape (every request verified
+        # K, the draft proposed K, caught up on nothing), each as (seconds, the fit's time for
+        # the shape then). Kept when the window moves on: step time is not linear in the batch
+        # (rows are nearly free until the matmuls turn compute-bound, then cost in full), so a
+        # measured shape (the startup calibration measures K = 0..k_max at two batch sizes)
+        # beats extrapolating from others. See _measured_seconds for how they are read.
+        self._measured: dict[tuple[int, int], deque[tuple[float, float]]] = {}
 
     def observe(self, step: StepRecord) -> None:
         if step.prefill_tokens > 0 or step.batch_size <= 0:
@@ -114,17 +116,16 @@ class CostModel:
                 self._shapes.clear()
                 self._theta = _assume_batch_split(self._theta, step.batch_size)
                 self._measured = {
-                    shape: (seconds, self._fit(*shape))
-                    for shape, (seconds, _) in self._measured.items()
+                    shape: deque(
+                        [(seconds, self._fit(*shape)) for seconds, _ in samples],
+                        maxlen=_SHAPE_SAMPLES,
+                    )
+                    for shape, samples in self._measured.items()
                 }
         if step.verified_tokens == step.batch_size * step.proposed_k:
             shape = (step.batch_size, step.proposed_k)
-            seconds = step.duration
-            if shape in self._measured:
-                seconds = (1 - _MEASURED_WEIGHT) * self._measured_seconds(shape) + (
-                    _MEASURED_WEIGHT * seconds
-                )
-            self._measured[shape] = (seconds, self._fit(*shape))
+            samples = self._measured.setdefault(shape, deque(maxlen=_SHAPE_SAMPLES))
+            samples.append((step.duration, self._fit(*shape)))
 
     def _add(self, x: list[float], seconds: float, sign: float) -> None:  # one step in or out
         for i, xi in enumerate(x):
@@ -142,18 +143,37 @@ class CostModel:
         return self._ready
 
     def _measured_seconds(self, shape: tuple[int, int]) -> float:
-        seconds, fit_then = self._measured[shape]
-        return seconds + self._fit(*shape) - fit_then
+        """The low median of the shape's samples. A sample with drafts moves with what the fit
+        learnt since it was taken (a slower draft); the plain step (K = 0) keeps its own samples
+        as they are: it is measured whenever speculation is off, and reading another shape's
+        misfit into it would inflate the baseline speculation is judged against, which nothing
+        measures again while speculation stays on."""
+        samples = self._measured[shape]
+        if shape[1] == 0:
+            return _low_median([seconds for seconds, _ in samples])
+        fit = self._fit(*shape)
+        return _low_median([seconds + fit - fit_then for seconds, fit_then in samples])
+
+    def _is_measured(self, shape: tuple[int, int]) -> bool:
+        """Enough samples to stand for the shape: two for the plain step, so that one slow
+        step at a new batch size cannot read as a slow baseline and turn speculation on there
+        (the second costs nothing: K = 0 is what runs meanwhile); one for K > 0, whose errors
+        are on the side of caution or corrected by the steps they lead to."""
+        samples = self._measured.get(shape)
+        return samples is not None and len(samples) >= (2 if shape[1] == 0 else 1)
 
     def predict(self, batch_size: int, k: int) -> float:
         """Steady-state step time: every request verifies k drafts and the draft proposes k.
 
         A measured shape is its measured time; otherwise, at this K, a line through the two
         measured batch sizes nearest this one, or the fit shifted onto the one measured batch
-        size; otherwise the fit. Measured times move with what the fit learnt since.
+        size; otherwise the fit. A shape counts as measured per _is_measured, and reads as
+        _measured_seconds says.
         """
         sizes = sorted(
-            (abs(size - batch_size), size) for size, shape_k in self._measured if shape_k == k
+            (abs(size - batch_size), size)
+            for size, shape_k in self._measured
+            if shape_k == k and self._is_measured((size, k))
         )
         if sizes and sizes[0][0] == 0:
             seconds = self._measured_seconds((batch_size, k))
@@ -195,6 +215,11 @@ def _assume_batch_split(theta: list[float], batch_size: int) -> list[float]:
     row = min(max(c, 0.0), max(step, 0.0) / batch_size)
     draft_row = draft * row / step if step > 0 else 0.0
     return [step - row * batch_size, row, c, draft - draft_row * batch_size, draft_row, u]
+
+
+def _low_median(values: list[float]) -> float:
+    """The median, or the lower middle value of an even count."""
+    return sorted(values)[(len(values) - 1) // 2]
 
 
 def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:

@@ -502,3 +502,51 @@ def test_measured_batch_costs_outlive_the_window() -> None:
         cost.observe(StepRecord(seconds(1, 2), 1, 2, 2, 0))
     assert cost.predict(4, 3) == pytest.approx(seconds(4, 3), rel=0.01)
     assert seconds(1, 2) < cost.predict(2, 2) < seconds(4, 2)
+
+
+# 8. Noisy steps at a batch size calibration did not measure.
+
+
+def nonlinear_seconds(batch: int, k: int) -> float:
+    """A CPU's step: rows nearly free until the matmuls turn compute-bound (past 4 rows)."""
+    return 0.3 + 0.08 * k + 0.06 * max(0, batch * (k + 1) - 4)
+
+
+def calibrated_at_one_and_four() -> CostModel:
+    """The engine's calibration cycle: each K held two steps, the first verifying the last K."""
+    cost = CostModel()
+    ks = [k for k in range(5) for _ in range(2)]
+    for batch in (1, 4):
+        for previous, k in zip([0, *ks], ks, strict=False):
+            seconds = nonlinear_seconds(batch, k) + 0.06 * batch * (previous - k)
+            cost.observe(StepRecord(seconds, batch, batch * previous, k, 0))
+    assert cost.ready
+    return cost
+
+
+def test_one_slow_plain_step_at_a_new_batch_size_does_not_turn_speculation_on() -> None:
+    """Seen on a 2-core CPU: the first decode step of 8 requests after their prefill took 1.75x
+    the usual; read as the batch's plain step time, it made K = 4 look like a 1.4x gain where it
+    was a 0.8x loss, and speculation stayed on (nothing measures K = 0 while it is)."""
+    cost = calibrated_at_one_and_four()
+    acceptance = tracker_with_acceptance(0.9)
+    controller = Controller(4, cost, acceptance)
+    requests = [f"r{i}" for i in range(8)]
+    cost.observe(StepRecord(1.75 * nonlinear_seconds(8, 0), 8, 0, 0, 0))
+    decision = controller.choose(requests)
+    assert (decision.k, decision.reason) == (0, "batch_too_large")
+    # A second plain step measures the batch: its low median is the usual step.
+    cost.observe(StepRecord(nonlinear_seconds(8, 0), 8, 0, 0, 0))
+    assert cost.predict(8, 0) == pytest.approx(nonlinear_seconds(8, 0))
+    assert controller.choose(requests).k == 0
+
+
+def test_the_plain_step_keeps_its_own_measurement_while_speculation_runs() -> None:
+    """Steps with drafts that the linear fit misjudges must not move the K = 0 baseline."""
+    cost = calibrated_at_one_and_four()
+    for _ in range(2):
+        cost.observe(StepRecord(nonlinear_seconds(8, 0), 8, 0, 0, 0))
+    for _ in range(60):
+        cost.observe(StepRecord(nonlinear_seconds(8, 4), 8, 32, 4, 0))
+    assert cost.predict(8, 0) == pytest.approx(nonlinear_seconds(8, 0))
+    assert cost.predict(8, 4) == pytest.approx(nonlinear_seconds(8, 4), rel=1e-3)
