@@ -550,3 +550,16 @@ def test_the_plain_step_keeps_its_own_measurement_while_speculation_runs() -> No
         cost.observe(StepRecord(nonlinear_seconds(8, 4), 8, 32, 4, 0))
     assert cost.predict(8, 0) == pytest.approx(nonlinear_seconds(8, 0))
     assert cost.predict(8, 4) == pytest.approx(nonlinear_seconds(8, 4), rel=1e-3)
+
+
+def test_beyond_the_measured_batch_sizes_the_fit_sets_the_slope() -> None:
+    """Batch 3 measured 10% slow must not bend the extrapolation to batch 8 (a line through
+    batch 3 and 4 would put it 19% low, and K=2 below K=1 there)."""
+    cost = CostModel()
+    rng = random.Random(0)
+    for step in cycle_steps(CPU, 1, rng) + cycle_steps(CPU, 4, rng):
+        cost.observe(step)
+    for _ in range(2):
+        cost.observe(StepRecord(1.1 * CPU.seconds(3, 6, 2), 3, 6, 2, 0))
+    assert cost.predict(8, 2) == pytest.approx(CPU.seconds(8, 16, 2), rel=0.05)
+    assert cost.predict(8, 1) < cost.predict(8, 2) < cost.predict(8, 3)
