@@ -1,11 +1,15 @@
 """Bundled workloads and the user's own prompts (JSONL).
 
 Each bundled workload has a character that decides how much speculation can
-help: code completion and structured output repeat what the prompt already
-holds (drafts are accepted often), prose is open-ended (accepted rarely).
+help: code completion, fill in the middle and structured output repeat what
+the prompt already holds (drafts are accepted often), prose is open-ended
+(accepted rarely). `structured` asks for JSON under `response_format` (a JSON
+schema or JSON mode), `fim` sends code with a hole (`suffix`), so both run
+through the grammar and fill-in-the-middle paths.
 
 JSONL: one object per line, either {"prompt": "..."} for /v1/completions or
-{"messages": [...]} for /v1/chat/completions, optionally "max_tokens" and "id".
+{"messages": [...]} for /v1/chat/completions, optionally "max_tokens", "id",
+"suffix" (with "prompt") and "response_format".
 """
 
 import json
@@ -22,6 +26,8 @@ class WorkItem:
     prompt: str | None = None
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content)
     max_tokens: int | None = None
+    suffix: str | None = None  # completions only: fill in the middle
+    response_format: dict[str, Any] | None = None
 
     def payload(
         self, model: str, max_tokens: int, temperature: float, stream: bool
@@ -33,8 +39,12 @@ class WorkItem:
         }
         if self.endpoint == "completions":
             body["prompt"] = self.prompt
+            if self.suffix is not None:
+                body["suffix"] = self.suffix
         else:
             body["messages"] = [{"role": r, "content": c} for r, c in self.messages or ()]
+        if self.response_format is not None:
+            body["response_format"] = self.response_format
         if stream:
             body["stream"] = True
             # The usage chunk carries the exact output token count (and specserve's
@@ -114,23 +124,133 @@ _ROWS = "\n".join(
     )
 )
 
-STRUCTURED = _chat(
-    "structured",
-    [
-        f"Convert this CSV to a JSON array of objects, nothing else:\nid,name,city,age\n{_ROWS}",
-        f"Turn this CSV into a Markdown table, nothing else:\nid,name,city,age\n{_ROWS}",
-        "List the numbers from 1 to 40, one per line, each as `n: n squared`.",
-        f"Write one SQL INSERT statement per row of this CSV into table people:\n"
-        f"id,name,city,age\n{_ROWS}",
-        f"Convert this CSV to YAML, a list of mappings, nothing else:\nid,name,city,age\n{_ROWS}",
-        "Write a Python dict literal mapping each month name to its number of days "
-        "(non-leap year).",
-    ],
-)
+_CSV = f"id,name,city,age\n{_ROWS}"
+
+
+def _schema(name: str, properties: dict[str, Any]) -> dict[str, Any]:
+    """response_format for a JSON object with these properties, all required."""
+    schema = {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+_PERSON: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "name": {"type": "string"},
+        "city": {"type": "string"},
+        "age": {"type": "integer"},
+    },
+    "required": ["id", "name", "city", "age"],
+    "additionalProperties": False,
+}
+_JSON_MODE = {"type": "json_object"}
+
+STRUCTURED = [
+    WorkItem(f"structured-{i}", "chat", messages=(("user", prompt),), response_format=format_)
+    for i, (prompt, format_) in enumerate(
+        [
+            (
+                f"Convert this CSV to JSON, one object per row under people:\n{_CSV}",
+                _schema("people", {"people": {"type": "array", "items": _PERSON}}),
+            ),
+            (f"Give this CSV as a JSON object mapping each name to its city:\n{_CSV}", _JSON_MODE),
+            (
+                "List the numbers from 1 to 20 with their squares as JSON.",
+                _schema(
+                    "squares",
+                    {
+                        "squares": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "properties": {
+                                    "n": {"type": "integer"},
+                                    "square": {"type": "integer"},
+                                },
+                                "required": ["n", "square"],
+                                "additionalProperties": False,
+                            },
+                        }
+                    },
+                ),
+            ),
+            (
+                f"Which person in this CSV is the oldest? Answer as JSON.\n{_CSV}",
+                _schema("oldest", _PERSON["properties"]),
+            ),
+            (
+                "Give a JSON object mapping each month name to its number of days (non-leap year).",
+                _JSON_MODE,
+            ),
+            (
+                f"Group the people of this CSV by decade of age, as JSON:\n{_CSV}",
+                _schema(
+                    "decades",
+                    {
+                        "groups": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "properties": {
+                                    "decade": {"type": "integer"},
+                                    "names": {"type": "array", "items": {"type": "string"}},
+                                },
+                                "required": ["decade", "names"],
+                                "additionalProperties": False,
+                            },
+                        }
+                    },
+                ),
+            ),
+        ]
+    )
+]
+
+FIM = [
+    WorkItem(f"fim-{i}", "completions", prompt=prefix, suffix=suffix)
+    for i, (prefix, suffix) in enumerate(
+        [
+            (
+                'def parse_csv(path: str) -> list[dict[str, str]]:\n    """Read a CSV file with '
+                'a header row into a list of dicts."""\n',
+                '\n\n\nrows = parse_csv("people.csv")\nprint(rows[0]["name"])\n',
+            ),
+            (
+                "class Stack:\n    def __init__(self) -> None:\n"
+                "        self.items: list[int] = []\n\n    def push(self, item: int) -> None:\n",
+                "\n    def pop(self) -> int:\n        return self.items.pop()\n",
+            ),
+            (
+                'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n',
+                "\n\n\nassert fibonacci(10) == 55\n",
+            ),
+            (
+                "import json\n\n\ndef load_config(path):\n",
+                '\n    return config\n\n\nconfig = load_config("settings.json")\n',
+            ),
+            (
+                "function debounce(fn, ms) {\n  let timer;\n",
+                '\n}\n\nconst save = debounce(() => console.log("saved"), 300);\n',
+            ),
+            (
+                "def binary_search(items: list[int], target: int) -> int:\n    low, high = 0, "
+                "len(items) - 1\n",
+                "\n    return -1\n\n\nassert binary_search([1, 3, 5, 7], 5) == 2\n",
+            ),
+        ]
+    )
+]
 
 BUNDLED: dict[str, list[WorkItem]] = {
     "code-completion": CODE_COMPLETION,
     "coding-chat": CODING_CHAT,
+    "fim": FIM,
     "prose": PROSE,
     "structured": STRUCTURED,
 }
@@ -162,11 +282,24 @@ def load_jsonl(path: Path) -> list[WorkItem]:
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
             raise ValueError(f"{where}: max_tokens must be a positive integer")
         item_id = str(data.get("id", f"{path.stem}-{number}"))
+        response_format = data.get("response_format")
+        if response_format is not None and not isinstance(response_format, dict):
+            raise ValueError(f"{where}: response_format must be an object")
+        suffix = data.get("suffix")
+        if suffix is not None and ("prompt" not in data or not isinstance(suffix, str)):
+            raise ValueError(f"{where}: suffix must be a string, next to a prompt")
         if "prompt" in data:
             if not isinstance(data["prompt"], str):
                 raise ValueError(f"{where}: prompt must be a string")
             items.append(
-                WorkItem(item_id, "completions", prompt=data["prompt"], max_tokens=max_tokens)
+                WorkItem(
+                    item_id,
+                    "completions",
+                    prompt=data["prompt"],
+                    max_tokens=max_tokens,
+                    suffix=suffix,
+                    response_format=response_format,
+                )
             )
             continue
         messages = data["messages"]
@@ -183,6 +316,7 @@ def load_jsonl(path: Path) -> list[WorkItem]:
                 "chat",
                 messages=tuple((m["role"], m["content"]) for m in messages),
                 max_tokens=max_tokens,
+                response_format=response_format,
             )
         )
     if not items:

@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -36,6 +37,11 @@ def _start(
     name: str, command: list[str], env: dict[str, str], port: int, logs: Path
 ) -> tuple[subprocess.Popen[bytes], float]:
     print(f"[{name}] {' '.join(command)}", flush=True)
+    # Another server on the port would answer the health check in this one's place, and
+    # every measurement would be of it.
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            raise SystemExit(f"[{name}] port {port} is already in use; stop what listens there")
     log = (logs / f"{name}.log").open("w")
     started = time.perf_counter()
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -1,9 +1,10 @@
 """The narrow engine contract the HTTP layer depends on.
 
 Everything the serving code needs from an inference engine is here: token
-counts and chat rendering (so limits are checked before generation), up-front
-validation of sampling parameters (so refusals come before a stream starts),
-a stream of per-step deltas whose early close aborts the request, and health.
+counts, chat and fill-in-the-middle rendering (so limits are checked before
+generation), up-front validation of sampling parameters and JSON schemas (so
+refusals come before a stream starts), a stream of per-step deltas whose
+early close aborts the request, and health.
 The vLLM adapter implements it; unit tests use a scripted double. Nothing
 here imports vllm or torch.
 """
@@ -11,6 +12,14 @@ here imports vllm or torch.
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class JsonFormat:
+    """The reply must be JSON: any object (schema None), or a value matching the schema.
+    The engine's grammar constrains every sampled and every verified token to it."""
+
+    schema: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -27,6 +36,7 @@ class SamplingOptions:
     logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    json_format: JsonFormat | None = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +120,10 @@ class Engine(Protocol):
     def decode(self, token_ids: list[int]) -> str: ...
 
     def render_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+    def render_fill_in_the_middle(self, prefix: str, suffix: str) -> list[int]:
+        """The prompt asking for the text between prefix and suffix, in the model's
+        fill-in-the-middle tokens; InvalidRequestError if its tokenizer has none."""
 
     def validate(self, request: GenerationRequest) -> None:
         """Raise InvalidRequestError for parameters the engine would refuse."""

@@ -50,6 +50,12 @@ CALIBRATION_PROMPT = (
     "            i += 1\n"
 )
 CALIBRATION_BATCH_PROMPT = "def fibonacci(n):\n    "
+# Fill-in-the-middle tokens (prefix, suffix, middle) as code models spell them; a target
+# whose tokenizer has one of these sets serves `suffix` on /v1/completions.
+FILL_IN_THE_MIDDLE_TOKENS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, Qwen3-Coder
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, StarCoder2
+)
 
 
 @dataclass(frozen=True)
@@ -158,6 +164,15 @@ class VllmEngine:
         )
         self._llm = AsyncLLM.from_engine_args(args)
         self._tokenizer = AutoTokenizer.from_pretrained(config.model)
+        vocabulary = self._tokenizer.get_vocab()
+        self._fill_in_the_middle_ids = next(
+            (
+                [vocabulary[token] for token in tokens]
+                for tokens in FILL_IN_THE_MIDDLE_TOKENS
+                if all(token in vocabulary for token in tokens)
+            ),
+            None,
+        )
         if self._feed is not None:
             self._feed.start()
             if config.speculation_mode == "auto" and config.speculation_script is None:
@@ -298,6 +313,20 @@ class VllmEngine:
             ) from exc
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
+    def render_fill_in_the_middle(self, prefix: str, suffix: str) -> list[int]:
+        if self._fill_in_the_middle_ids is None:
+            raise InvalidRequestError(
+                f"suffix (fill in the middle) needs a model with fill-in-the-middle tokens; "
+                f"{self.info().model_name} has none",
+                param="suffix",
+            )
+        prefix_id, suffix_id, middle_id = self._fill_in_the_middle_ids
+
+        def encode(text: str) -> list[int]:
+            return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+        return [prefix_id, *encode(prefix), suffix_id, *encode(suffix), middle_id]
+
     async def check_health(self) -> bool:
         if self._llm is None:
             return False
@@ -312,13 +341,39 @@ class VllmEngine:
             await self._llm.abort(request_id)
 
     def validate(self, request: GenerationRequest) -> None:
-        """Refuse what vLLM would refuse, before any response is sent."""
-        self._sampling_params(request.sampling)
+        """Refuse what vLLM would refuse, before any response is sent: the checks its
+        input processor runs when the request arrives (a JSON schema its grammar backend
+        cannot compile among them), run here so a stream never starts with them."""
+        from vllm.exceptions import VLLMClientError
+
+        assert self._llm is not None, "engine not started"
+        params = self._sampling_params(request.sampling)
+        vllm_config = self._llm.vllm_config
+        try:
+            params.verify(
+                self._llm.model_config,
+                vllm_config.speculative_config,
+                vllm_config.structured_outputs_config,
+                self._tokenizer,
+            )
+        except (ValueError, VLLMClientError) as exc:
+            param = getattr(exc, "parameter", None)
+            if param is None and request.sampling.json_format is not None:
+                param = "response_format"  # what vLLM checks beyond our protocol: the schema
+            raise InvalidRequestError(str(exc), param=param) from exc
 
     def _sampling_params(self, options: SamplingOptions) -> Any:
         from vllm.exceptions import VLLMClientError
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
+        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
+        structured = None
+        if options.json_format is not None:
+            schema = options.json_format.schema
+            # Compact JSON: whitespace between tokens would let a small model pad forever.
+            structured = StructuredOutputsParams(
+                json=schema, json_object=None if schema is not None else True,
+                disable_any_whitespace=True,
+            )  # fmt: skip
         try:
             return SamplingParams(
                 n=options.n,
@@ -330,6 +385,7 @@ class VllmEngine:
                 logprobs=options.logprobs,
                 presence_penalty=options.presence_penalty,
                 frequency_penalty=options.frequency_penalty,
+                structured_outputs=structured,
                 output_kind=RequestOutputKind.DELTA,
             )
         except (ValueError, VLLMClientError) as exc:

@@ -4,7 +4,7 @@ Requests forbid unknown fields: a parameter specserve cannot honour is a 400
 that names it, never silently ignored.
 """
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -47,6 +47,31 @@ class StreamOptions(StrictRequest):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(StrictRequest):
+    """OpenAI's `response_format.json_schema`."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    # `schema` would shadow a BaseModel attribute; the wire name stays OpenAI's.
+    schema_: dict[str, Any] = Field(alias="schema")
+    # The schema is always enforced by a grammar, so strict or not, replies match it.
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictRequest):
+    """`{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema",
+    "json_schema": {...}}`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with type "json_schema" and only there')
+        return self
+
+
 class SamplingFields(StrictRequest):
     """Fields common to /v1/completions and /v1/chat/completions."""
 
@@ -62,6 +87,7 @@ class SamplingFields(StrictRequest):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":

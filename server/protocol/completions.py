@@ -16,15 +16,18 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    # Accepted only at values that change nothing, so OpenAI clients that
-    # send the defaults keep working; anything else is a 400.
+    # Fill in the middle: the prompt is the text before the insertion, this the text after.
     suffix: str | None = None
+    # Accepted only at the value that changes nothing, so OpenAI clients that
+    # send the default keep working; anything else is a 400.
     best_of: int | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> "CompletionRequest":
-        if self.suffix:
-            raise ValueError("suffix (insertion) is not supported")
+        if self.suffix is not None and self.echo:
+            raise ValueError("echo together with suffix is not supported")
+        if self.suffix is not None and not all(isinstance(p, str) for p in self.prompts()):
+            raise ValueError("suffix needs text prompts, not token ids")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of other than n is not supported")
         if self.echo and self.logprobs is not None:

@@ -21,6 +21,7 @@ from server.protocol.chat import (
 from server.serving.common import (
     check_model,
     generate_all,
+    json_format,
     new_id,
     now,
     resolve_max_tokens,
@@ -66,6 +67,7 @@ def prepare(
         logprobs=body.logprob_count(),
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
+        json_format=json_format(body),
     )
     chat_id = new_id("chatcmpl")
     request = GenerationRequest(chat_id, token_ids, sampling)

@@ -15,7 +15,7 @@ from contextlib import aclosing
 
 from pydantic import BaseModel
 
-from server.engine.base import Engine, EngineOutput, GenerationRequest
+from server.engine.base import Engine, EngineOutput, GenerationRequest, JsonFormat
 from server.errors import (
     APIError,
     ContextLengthExceededError,
@@ -24,7 +24,7 @@ from server.errors import (
     RequestTimeoutError,
 )
 from server.metrics import RequestObserver
-from server.protocol.common import SpeculationSummary, Usage
+from server.protocol.common import SamplingFields, SpeculationSummary, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,16 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+def json_format(body: SamplingFields) -> JsonFormat | None:
+    """The JSON constraint the request's response_format asks for, if any."""
+    response_format = body.response_format
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.json_schema is None:
+        return JsonFormat()
+    return JsonFormat(response_format.json_schema.schema_)
 
 
 def validate_all(engine: Engine, requests: list[GenerationRequest]) -> None:

@@ -21,6 +21,7 @@ from server.protocol.completions import (
 from server.serving.common import (
     check_model,
     generate_all,
+    json_format,
     new_id,
     now,
     resolve_max_tokens,
@@ -58,7 +59,10 @@ def prepare(
     completion_id = new_id("cmpl")
     requests, echo_texts = [], []
     for position, prompt in enumerate(body.prompts()):
-        token_ids = engine.tokenize(prompt) if isinstance(prompt, str) else prompt
+        if isinstance(prompt, str) and body.suffix is not None:
+            token_ids = engine.render_fill_in_the_middle(prompt, body.suffix)
+        else:
+            token_ids = engine.tokenize(prompt) if isinstance(prompt, str) else prompt
         _check_token_ids(token_ids, engine.info().vocab_size)
         max_tokens = resolve_max_tokens(
             engine, len(token_ids), body.max_tokens, "prompt", "max_tokens"
@@ -73,6 +77,7 @@ def prepare(
             logprobs=body.logprobs,
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
+            json_format=json_format(body),
         )
         requests.append(GenerationRequest(f"{completion_id}-{position}", token_ids, sampling))
         if body.echo:

@@ -7,6 +7,7 @@ different K for two identical requests, so only float32 makes streaming and
 non-streaming replies comparable token for token on every CPU.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel
 
 from tests.net import free_port, wait_until_up
 
@@ -107,3 +109,44 @@ def test_metrics_show_the_speculation(base_url: str, client: openai.OpenAI) -> N
     assert 0 <= accepted <= total("specserve_spec_decode_draft_tokens_total")
     health = httpx.get(f"{base_url}/health", timeout=30).json()["details"]
     assert health["autopilot"]["cost_ready"] is True
+
+
+def test_fill_in_the_middle_returns_the_middle(client: openai.OpenAI) -> None:
+    result = client.completions.create(
+        model="qwen2.5-coder-1.5b-instruct",
+        prompt="def add(a, b):\n    return ",
+        suffix="\n\n\nassert add(2, 3) == 5\n",
+        max_tokens=8,
+        temperature=0,
+    )
+    middle = result.choices[0].text
+    assert "a + b" in middle or "a+b" in middle, middle
+
+
+class Reversal(BaseModel):
+    original: str
+    reversed: str
+
+
+def test_parse_returns_the_schema_s_object(client: openai.OpenAI) -> None:
+    result = client.chat.completions.parse(
+        model="qwen2.5-coder-1.5b-instruct",
+        messages=[{"role": "user", "content": "Reverse the word 'stressed'. Answer in JSON."}],
+        response_format=Reversal,
+        max_tokens=32,
+        temperature=0,
+    )
+    parsed = result.choices[0].message.parsed
+    assert isinstance(parsed, Reversal)
+    assert parsed.original == "stressed"
+
+
+def test_json_object_mode_replies_json(client: openai.OpenAI) -> None:
+    result = client.chat.completions.create(
+        model="qwen2.5-coder-1.5b-instruct",
+        messages=[{"role": "user", "content": 'Give {"a": 1, "b": 2} back as a JSON object.'}],
+        response_format={"type": "json_object"},
+        max_tokens=24,
+        temperature=0,
+    )
+    assert isinstance(json.loads(result.choices[0].message.content or ""), dict)

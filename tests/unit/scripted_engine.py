@@ -65,6 +65,10 @@ class ScriptedEngine:
     def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return self.tokenize(" ".join(f"{m['role']}: {m['content']}" for m in messages))
 
+    def render_fill_in_the_middle(self, prefix: str, suffix: str) -> list[int]:
+        # Token 0 (no word has length 0) stands for each fill-in-the-middle marker.
+        return [0, *self.tokenize(prefix), 0, *self.tokenize(suffix), 0]
+
     def validate(self, request: GenerationRequest) -> None:
         # vLLM refuses several greedy samples of one prompt.
         if request.sampling.n > 1 and request.sampling.temperature == 0:

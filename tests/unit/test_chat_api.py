@@ -2,6 +2,7 @@
 
 import httpx
 
+from server.engine.base import JsonFormat
 from tests.unit.scripted_engine import ScriptedEngine
 from tests.unit.sse import events
 
@@ -35,6 +36,19 @@ async def test_text_parts_and_roles_are_rendered(
     assert response.status_code == 200
     # "system: be brief user: ab assistant: ok user: c" in whitespace tokens
     assert engine.requests[0].prompt_token_ids == [7, 2, 5, 5, 2, 10, 2, 5, 1]
+
+
+async def test_a_json_schema_reaches_the_engine(
+    client: httpx.AsyncClient, engine: ScriptedEngine
+) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    response = await client.post(
+        "/v1/chat/completions",
+        json={"model": "scripted", "messages": USER, "response_format": response_format},
+    )
+    assert response.status_code == 200
+    assert engine.requests[0].sampling.json_format == JsonFormat(schema)
 
 
 async def test_max_completion_tokens_wins_over_max_tokens(

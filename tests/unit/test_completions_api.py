@@ -2,6 +2,7 @@
 
 import httpx
 
+from server.engine.base import JsonFormat
 from tests.unit.scripted_engine import ScriptedEngine
 from tests.unit.sse import events
 
@@ -74,6 +75,40 @@ async def test_sampling_parameters_reach_the_engine(
     assert (sampling.temperature, sampling.top_p, sampling.seed) == (0.7, 0.9, 11)
     assert sampling.stop == ("!",)
     assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -0.5)
+
+
+async def test_suffix_asks_the_engine_to_fill_in_the_middle(
+    client: httpx.AsyncClient, engine: ScriptedEngine
+) -> None:
+    response = await client.post(
+        "/v1/completions",
+        json={"model": "scripted", "prompt": ["ab c", "d"], "suffix": "efg", "max_tokens": 1},
+    )
+    assert response.status_code == 200
+    # The scripted engine marks prefix, suffix and middle with token 0.
+    assert [r.prompt_token_ids for r in engine.requests] == [[0, 2, 1, 0, 3, 0], [0, 1, 0, 3, 0]]
+
+
+async def test_response_format_reaches_the_engine_as_a_json_constraint(
+    client: httpx.AsyncClient, engine: ScriptedEngine
+) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    formats = [
+        {"type": "text"},
+        {"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}},
+    ]
+    for response_format in formats:
+        response = await client.post(
+            "/v1/completions",
+            json={"model": "scripted", "prompt": "x", "response_format": response_format},
+        )
+        assert response.status_code == 200
+    assert [r.sampling.json_format for r in engine.requests] == [
+        None,
+        JsonFormat(),
+        JsonFormat(schema),
+    ]
 
 
 async def test_stop_string_ends_the_choice(client: httpx.AsyncClient) -> None:

@@ -7,6 +7,7 @@ from tests.unit.scripted_engine import ScriptedEngine
 from tests.unit.sse import events
 
 USER = [{"role": "user", "content": "hi"}]
+SCHEMA = {"name": "answer", "schema": {"type": "object"}}
 
 
 def assert_error(response: httpx.Response, status: int, code: str | None = None) -> dict:
@@ -53,7 +54,8 @@ async def test_invalid_values_are_400_naming_the_parameter(
 @pytest.mark.parametrize(
     ("extra", "words"),
     [
-        ({"suffix": "end"}, "suffix"),
+        ({"suffix": "end", "echo": True}, "suffix"),
+        ({"suffix": "end", "prompt": [1, 2]}, "suffix"),
         ({"best_of": 3}, "best_of"),
         ({"echo": True, "logprobs": 1}, "echo"),
         ({"logit_bias": {"1": 2}}, "logit_bias"),
@@ -86,6 +88,11 @@ async def test_unsupported_completion_parameters_are_400(
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"messages": []}, "messages"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "json_schema"),
+        ({"response_format": {"type": "json_object", "json_schema": SCHEMA}}, "json_schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}}, "name"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "schema"),
     ],
 )
 async def test_unsupported_chat_features_are_400(

@@ -1,0 +1,135 @@
+"""Structured outputs and fill in the middle on the real engine, through the official client.
+
+The tiny models are random, so the schemas bound every reply (an enum, a short string, a
+boolean): the grammar, not the model, decides when the JSON is complete.
+"""
+
+import json
+from typing import Literal
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.integration.conftest import RunningServer
+from tests.integration.test_openai_client import client_for
+
+pytestmark = pytest.mark.integration
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "color": {"enum": ["red", "green", "blue"]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "color", "ok"],
+    "additionalProperties": False,
+}
+RESPONSE_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "item", "schema": SCHEMA, "strict": True},
+}
+MESSAGES = [{"role": "user", "content": "Describe one item as JSON."}]
+
+
+class Item(BaseModel):
+    name: str = Field(max_length=12)
+    color: Literal["red", "green", "blue"]
+    ok: bool
+
+
+async def test_a_json_schema_reply_matches_it_streamed_and_not(
+    spec_server: RunningServer,
+) -> None:
+    client = client_for(spec_server)
+    whole = await client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        response_format=RESPONSE_FORMAT,  # type: ignore[arg-type]
+        max_tokens=64,
+        temperature=0,
+    )
+    content = whole.choices[0].message.content
+    assert whole.choices[0].finish_reason == "stop", content
+    jsonschema.validate(json.loads(content or ""), SCHEMA)
+    speculation = (whole.model_extra or {})["speculation"]
+    assert speculation["accepted_tokens"] > 0, speculation
+
+    stream = await client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        response_format=RESPONSE_FORMAT,  # type: ignore[arg-type]
+        max_tokens=64,
+        temperature=0,
+        stream=True,
+    )
+    parts = [chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices]
+    assert "".join(parts) == content
+
+
+async def test_parse_returns_a_pydantic_object(spec_server: RunningServer) -> None:
+    result = await client_for(spec_server).chat.completions.parse(
+        model="tiny",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        response_format=Item,
+        max_tokens=64,
+        temperature=0,
+    )
+    assert isinstance(result.choices[0].message.parsed, Item)
+
+
+async def test_completions_take_a_schema_too(spec_server: RunningServer) -> None:
+    result = await client_for(spec_server).completions.create(
+        model="tiny",
+        prompt="item = ",
+        max_tokens=64,
+        temperature=0,
+        extra_body={"response_format": RESPONSE_FORMAT},
+    )
+    assert result.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(result.choices[0].text), SCHEMA)
+
+
+async def test_greedy_output_under_a_grammar_is_the_same_with_speculation_on_and_off(
+    spec_server: RunningServer, plain_server: RunningServer
+) -> None:
+    replies = []
+    for server in (spec_server, plain_server):
+        result = await client_for(server).chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Another item, please."}],
+            response_format=RESPONSE_FORMAT,  # type: ignore[arg-type]
+            max_tokens=64,
+            temperature=0,
+        )
+        replies.append(result.choices[0].message.content)
+    assert replies[0] == replies[1]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_schema_the_grammar_cannot_take_is_400_before_any_stream(
+    spec_server: RunningServer, stream: bool
+) -> None:
+    broken = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client_for(spec_server).chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            response_format=broken,  # type: ignore[arg-type]
+            max_tokens=8,
+            stream=stream,
+        )
+    assert caught.value.body["param"] == "response_format"  # type: ignore[index]
+
+
+async def test_suffix_on_a_model_without_fill_in_the_middle_tokens_is_400(
+    spec_server: RunningServer,
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client_for(spec_server).completions.create(
+            model="tiny", prompt="def f(", suffix="):\n    pass\n", max_tokens=8
+        )
+    assert caught.value.body["param"] == "suffix"  # type: ignore[index]
+    assert "fill-in-the-middle" in caught.value.message
