@@ -128,6 +128,7 @@ class VllmEngine:
 
     async def start(self) -> None:
         from transformers import AutoTokenizer
+        from vllm.config import StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -144,6 +145,11 @@ class VllmEngine:
         logger.info("dtype %s: %s%s", choice.dtype, choice.reason, kv_note)
         autopilot = self._prepare_autopilot()
         args = AsyncEngineArgs(
+            # llguidance: the widest JSON Schema coverage of vLLM's grammar backends. Compact
+            # JSON: free whitespace between tokens would let a small model pad forever.
+            structured_outputs_config=StructuredOutputsConfig(
+                backend="guidance", disable_any_whitespace=True
+            ),
             model=config.model,
             served_model_name=config.served_model_name,
             dtype=choice.dtype,
@@ -369,11 +375,9 @@ class VllmEngine:
         structured = None
         if options.json_format is not None:
             schema = options.json_format.schema
-            # Compact JSON: whitespace between tokens would let a small model pad forever.
             structured = StructuredOutputsParams(
-                json=schema, json_object=None if schema is not None else True,
-                disable_any_whitespace=True,
-            )  # fmt: skip
+                json=schema, json_object=None if schema is not None else True
+            )
         try:
             return SamplingParams(
                 n=options.n,
