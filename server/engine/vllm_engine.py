@@ -352,7 +352,8 @@ class VllmEngine:
         cannot compile among them), run here so a stream never starts with them."""
         from vllm.exceptions import VLLMClientError
 
-        assert self._llm is not None, "engine not started"
+        if self._llm is None:
+            raise EngineUnavailableError("the engine is not running")
         params = self._sampling_params(request.sampling)
         vllm_config = self._llm.vllm_config
         try:

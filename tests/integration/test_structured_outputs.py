@@ -46,27 +46,21 @@ async def test_a_json_schema_reply_matches_it_streamed_and_not(
     # The target drafting for itself: where the grammar allows its own best token, the
     # draft's guess is the target's, so drafts are verified under the grammar and accepted.
     client = client_for(self_draft_server)
-    whole = await client.chat.completions.create(
-        model="tiny-self",
-        messages=MESSAGES,  # type: ignore[arg-type]
-        response_format=RESPONSE_FORMAT,  # type: ignore[arg-type]
-        max_tokens=64,
-        temperature=0,
-    )
+    request = {
+        "model": "tiny-self",
+        "messages": MESSAGES,
+        "response_format": RESPONSE_FORMAT,
+        "max_tokens": 64,
+        "temperature": 0,
+    }
+    whole = await client.chat.completions.create(**request)  # type: ignore[call-overload]
     content = whole.choices[0].message.content
     assert whole.choices[0].finish_reason == "stop", content
     jsonschema.validate(json.loads(content or ""), SCHEMA)
     speculation = (whole.model_extra or {})["speculation"]
     assert speculation["accepted_tokens"] > 0, speculation
 
-    stream = await client.chat.completions.create(
-        model="tiny-self",
-        messages=MESSAGES,  # type: ignore[arg-type]
-        response_format=RESPONSE_FORMAT,  # type: ignore[arg-type]
-        max_tokens=64,
-        temperature=0,
-        stream=True,
-    )
+    stream = await client.chat.completions.create(**request, stream=True)  # type: ignore[call-overload]
     parts = [chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices]
     assert "".join(parts) == content
 
