@@ -1,4 +1,9 @@
-"""Side-by-side ratios and the speculation schedule a sweep suggests.
+"""Side-by-side ratios, round by round, and the speculation schedule a sweep suggests.
+
+Alternating rounds put each of A's blocks of requests next to one of B's, so
+`paired_speedup` compares them pair by pair: a slow machine hour slows both
+blocks of a pair alike and drops out of their ratio. Its 95% interval says how
+small a difference the run can tell from noise.
 
 A sweep decides per load level whether speculation paid: the speculative
 server's output token throughput over the baseline's, above 1 + margin. Under
@@ -11,6 +16,7 @@ holds up to `max_batch`, and neighbouring ranges with the same K merge.
 """
 
 import math
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,6 +64,34 @@ def ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
 def speedup(a: dict[str, Any], b: dict[str, Any]) -> float | None:
     """How much faster A produced output than B (output tokens/s ratio)."""
     return ratio(lookup(a, ("output_throughput",)), lookup(b, ("output_throughput",)))
+
+
+# Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom.
+T_95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+        2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+        2.060, 2.056, 2.052, 2.048, 2.045, 2.042]  # fmt: skip
+
+
+def paired_speedup(
+    a_blocks: Sequence[dict[str, float]], b_blocks: Sequence[dict[str, float]]
+) -> dict[str, float | int | None] | None:
+    """A's output tokens/s over B's from the blocks of the same rounds: the geometric
+    mean of the per-round ratios and its 95% interval (t on their logs; None with one
+    round). None without a round where both produced output."""
+    logs = [
+        math.log((a["output_tokens"] / a["duration_s"]) / (b["output_tokens"] / b["duration_s"]))
+        for a, b in zip(a_blocks, b_blocks, strict=False)
+        if min(a["output_tokens"], a["duration_s"], b["output_tokens"], b["duration_s"]) > 0
+    ]
+    if not logs:
+        return None
+    mean = statistics.fmean(logs)
+    low = high = None
+    if len(logs) > 1:
+        t = T_95[len(logs) - 2] if len(logs) - 1 <= len(T_95) else 1.96
+        half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+        low, high = math.exp(mean - half), math.exp(mean + half)
+    return {"rounds": len(logs), "speedup": math.exp(mean), "low": low, "high": high}
 
 
 def schedule(

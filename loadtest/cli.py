@@ -13,6 +13,7 @@ plots into --output-dir, and prints the summary.
 
 import argparse
 import asyncio
+import json
 import math
 import sys
 import time
@@ -59,6 +60,18 @@ def _pair(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--b", required=True, help="URL of server B (e.g. the baseline)")
     parser.add_argument("--a-label", default="A")
     parser.add_argument("--b-label", default="B")
+    parser.add_argument("--a-body", type=_json_object, default={}, help=BODY_HELP)
+    parser.add_argument("--b-body", type=_json_object, default={}, help=BODY_HELP)
+
+
+BODY_HELP = "JSON object merged into every request body (e.g. a per-request option)"
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="drive one server")
     run.add_argument("--url", required=True)
     run.add_argument("--label", default="server")
+    run.add_argument("--body", type=_json_object, default={}, help=BODY_HELP)
     run.add_argument("--concurrency", type=int, help="closed loop: requests always in flight")
     _common(run)
     compare = commands.add_parser("compare", help="two servers in alternating rounds")
@@ -130,9 +144,9 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _open(
-    args: argparse.Namespace, options: Options, pairs: list[tuple[str, str]]
+    args: argparse.Namespace, options: Options, pairs: list[tuple[str, str, dict[str, Any]]]
 ) -> list[Server]:
-    servers = [await open_server(label, url, options) for label, url in pairs]
+    servers = [await open_server(label, url, options, body) for label, url, body in pairs]
     items = workloads.load(args.workload)
     for server in servers:
         await warm_up(server, items, args.warmup, options)
@@ -160,6 +174,7 @@ async def _measure(
 def _reset(servers: list[Server]) -> None:
     for server in servers:
         server.records, server.duration, server.speculation = [], 0.0, None
+        server.blocks = []
 
 
 async def _main(args: argparse.Namespace) -> Path:
@@ -179,9 +194,10 @@ async def _main(args: argparse.Namespace) -> Path:
     config = _config(args)
     base = {"command": sys.argv, "definitions": report.DEFINITIONS, "config": config}
     if args.command == "run":
-        pairs = [(args.label, args.url)]
+        pairs = [(args.label, args.url, args.body)]
     else:
-        pairs = [(args.a_label, args.a), (args.b_label, args.b)]
+        pairs = [(args.a_label, args.a, args.a_body), (args.b_label, args.b, args.b_body)]
+    config["extra_body"] = {label: body for label, _, body in pairs if body}
     servers = await _open(args, options, pairs)
     try:
         if args.command in ("run", "compare"):
@@ -190,11 +206,20 @@ async def _main(args: argparse.Namespace) -> Path:
             results = await _measure(args, servers, load, options)
             data: dict[str, Any] = {**base, "servers": results}
             if args.command == "compare":
-                a, b = (results[label]["summary"] for label, _ in pairs)
+                a, b = (results[label]["summary"] for label, _, _ in pairs)
                 data["ratios"] = analysis.ratios(a, b)
                 data["speedup"] = analysis.speedup(a, b)
+                data["paired_speedup"] = analysis.paired_speedup(
+                    *(results[label]["blocks"] for label, _, _ in pairs)
+                )
             title = f"loadtest {args.command}: {args.workload}"
             markdown = report.run_markdown(title, config, results)
+            if args.command == "compare":
+                a_label, b_label = (label for label, _, _ in pairs)
+                markdown += (
+                    f"\nOutput tokens/s {a_label} / {b_label}, round by round: "
+                    f"{report.paired(data['paired_speedup'])}\n"
+                )
             if not args.no_plots:
                 report.plot_latency_cdfs(out / "latency_cdf.png", results)
                 report.plot_acceptance(
@@ -243,6 +268,9 @@ async def _sweep(
                 "servers": results,
                 "ratios": analysis.ratios(a, b),
                 "speedup": analysis.speedup(a, b),
+                "paired_speedup": analysis.paired_speedup(
+                    *(results[s.label]["blocks"] for s in servers)
+                ),
             }
         )
     speedups: list[float | None] = [level["speedup"] for level in levels]

@@ -47,6 +47,14 @@ def fmt(value: float | None, digits: int = 2) -> str:
     return f"{value:.{digits}f}"
 
 
+def paired(result: dict[str, Any] | None) -> str:
+    """A round-by-round speedup with its 95% interval, e.g. "1.03 (0.99-1.07, 8 rounds)"."""
+    if result is None:
+        return "-"
+    interval = f"{fmt(result['low'])}-{fmt(result['high'])}, " if result["low"] is not None else ""
+    return f"{fmt(result['speedup'])} ({interval}{result['rounds']} rounds)"
+
+
 def side_by_side(servers: dict[str, dict[str, Any]]) -> str:
     """Markdown table of every figure per server; with two, a ratio column A/B."""
     labels = list(servers)
@@ -115,7 +123,8 @@ def sweep_markdown(
     labels = list(levels[0]["servers"]) if levels else []
     lines = ["# loadtest sweep", "", _config_line(config), ""]
     header = ["level", *(f"{s} tok/s" for s in labels), *(f"{s} TPOT p50 (ms)" for s in labels)]
-    header += ["speedup", f"{labels[0]} acceptance" if labels else "acceptance"]
+    header += ["speedup", "round by round (95%)"]
+    header += [f"{labels[0]} acceptance" if labels else "acceptance"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for level in levels:
         servers = level["servers"]
@@ -125,6 +134,7 @@ def sweep_markdown(
             *(fmt(servers[s]["summary"]["output_throughput"]) for s in labels),
             *(fmt(servers[s]["summary"]["tpot_ms"]["p50"]) for s in labels),
             fmt(level["speedup"]),
+            paired(level.get("paired_speedup")),
             fmt(acceptance),
         ]
         lines.append("| " + " | ".join(cells) + " |")

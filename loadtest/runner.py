@@ -77,9 +77,17 @@ class Server:
     duration: float = 0.0
     speculation: promscrape.SpecCounters | None = None
     speculative_tokens: int | None = None  # K, if the server says (specserve does)
+    # Fields added to every request body, e.g. specserve's per-request
+    # {"speculation": {"max_draft_tokens": 0}}: two "servers" on one URL.
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    # Each block of requests (one per round): output tokens and seconds, so
+    # alternating rounds can be compared pair by pair.
+    blocks: list[dict[str, float]] = field(default_factory=list)
 
 
-async def open_server(label: str, url: str, options: Options) -> Server:
+async def open_server(
+    label: str, url: str, options: Options, extra_body: dict[str, Any] | None = None
+) -> Server:
     headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
     client = httpx.AsyncClient(
         base_url=url.rstrip("/"),
@@ -94,7 +102,7 @@ async def open_server(label: str, url: str, options: Options) -> Server:
         response = await client.get("/v1/models")
         response.raise_for_status()
         model = str(response.json()["data"][0]["id"])
-    server = Server(label, url, client, model)
+    server = Server(label, url, client, model, extra_body=extra_body or {})
     text = await promscrape.scrape(client)
     if text is not None:
         server.speculative_tokens = promscrape.speculative_tokens(text)
@@ -108,6 +116,7 @@ async def warm_up(server: Server, items: list[WorkItem], count: int, options: Op
         item = items[i % len(items)]
         record = RequestRecord(index=-1, item=item.id, server=server.label)
         payload = item.payload(server.model, WARMUP_TOKENS, options.temperature, False)
+        payload.update(server.extra_body)
         payload["max_tokens"] = min(payload["max_tokens"], WARMUP_TOKENS)
         await send(server.client, item, payload, record)
         if not record.success:
@@ -128,6 +137,7 @@ async def run_block(
 ) -> None:
     """Send `count` requests, or keep sending for `seconds`; wait for all to end."""
     before = await promscrape.scrape(server.client)
+    first = len(server.records)
     start = clock()
     deadline = start + seconds if seconds is not None else math.inf
     launched = 0
@@ -143,6 +153,7 @@ async def run_block(
         payload = item.payload(
             server.model, options.max_tokens, options.temperature, options.stream
         )
+        payload.update(server.extra_body)
         await send(server.client, item, payload, record, clock)
         if progress is not None:
             progress.update(1)
@@ -172,7 +183,10 @@ async def run_block(
             if due > clock():
                 await asyncio.sleep(due - clock())
         await asyncio.gather(*tasks)
-    server.duration += clock() - start
+    seconds_taken = clock() - start
+    server.duration += seconds_taken
+    tokens = sum(r.output_tokens for r in server.records[first:] if r.success)
+    server.blocks.append({"output_tokens": tokens, "duration_s": seconds_taken})
     after = await promscrape.scrape(server.client)
     if before is not None and after is not None:
         old, new = promscrape.parse(before), promscrape.parse(after)
@@ -233,5 +247,6 @@ def server_result(server: Server, slos: dict[str, float]) -> dict[str, Any]:
         "speculative_tokens": server.speculative_tokens,
         "summary": summarize(server.records, server.duration, slos),
         "speculation": server.speculation.figures() if server.speculation else None,
+        "blocks": server.blocks,
         "records": [r.to_json() for r in server.records],
     }

@@ -24,6 +24,18 @@ after `--` go to every server.
 
     .venv/bin/python scripts/bench_autopilot.py --out loadtest-results/autopilot \\
         --concurrency 1 2 4 8 --max-tokens 32 -- --max-model-len 4096
+
+Server restarts an hour apart let machine drift into every ratio (the same
+configuration measured twice differed by up to 29% per cell here). `--paired R`
+measures what the autopilot's decisions are worth without that drift: one auto
+server, and per workload and concurrency a `loadtest compare` of auto against
+the same server with speculation off per request (`{"speculation":
+{"max_draft_tokens": 0}}`: K=0, the draft idle) in R alternating rounds of
+`concurrency` requests each; <out>/paired.md gives the round-by-round ratio
+with its 95% interval per cell.
+
+    .venv/bin/python scripts/bench_autopilot.py --out loadtest-results/autopilot-paired \\
+        --paired 8 --concurrency 1 2 4 8 --max-tokens 32 -- --max-model-len 4096
 """
 
 import argparse
@@ -40,12 +52,13 @@ from typing import Any
 from bench_loadtest import _loadtest, _start, _stop
 
 from loadtest.analysis import ratio
-from loadtest.report import fmt
+from loadtest.report import fmt, paired
 from loadtest.workloads import BUNDLED
 
 CONFIGS = ("auto", "fixed-2", "fixed-4")
 PORT = 8101
 AUTO_FLOOR, BEST_FLOOR = 0.97, 0.95  # marked below these
+SPECULATION_OFF = {"speculation": {"max_draft_tokens": 0}}
 
 
 def _flags(config: str, max_num_seqs: int) -> list[str]:
@@ -151,6 +164,41 @@ def table(out: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def paired_table(out: Path) -> str:
+    """<out>/paired.md from the compare results under <out>/paired/."""
+    lines = [
+        "### Speculation auto against K=0 on the same server, round by round",
+        "",
+        "```text",
+        *_cpu(out),
+        "```",
+        "",
+        "Output tokens/s of auto over the same server's requests with speculation off "
+        '(`{"speculation": {"max_draft_tokens": 0}}`: K=0, the draft idle), geometric mean '
+        "of the per-round ratios of alternating rounds (ABBA) and its 95% interval. "
+        f"⚠: the interval lies below {AUTO_FLOOR}x. Acceptance, K mix and identical text "
+        "as in the main table, from the auto side.",
+        "",
+        "| workload | concurrency | K=0 tok/s | auto / K=0 (95% interval, rounds) | "
+        "auto acceptance rate / mean length | auto K mix | identical text | failed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for path in sorted(out.glob("paired/*/results.json")):
+        data = json.loads(path.read_text())
+        auto, off = data["servers"]["auto"], data["servers"]["off"]
+        result = data["paired_speedup"]
+        flag = " ⚠" if result and result["high"] is not None and result["high"] < AUTO_FLOOR else ""
+        acceptance, mix = _auto_speculation([auto])
+        failed = auto["summary"]["failed"] + off["summary"]["failed"]
+        level = int(path.parent.name.rsplit("-c", 1)[1])
+        lines.append(
+            f"| {data['config']['workload']} | {level} | "
+            f"{fmt(off['summary']['output_throughput'])} | {paired(result)}{flag} | "
+            f"{acceptance} | {mix} | {_identical([auto], [off])} | {failed} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     argv = sys.argv[1:]
     engine_extra = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -174,41 +222,82 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--kv-cache-gib", type=int, help="default: the server's own")
-    parser.add_argument("--tables-only", action="store_true", help="rebuild <out>/autopilot.md")
+    parser.add_argument(
+        "--paired",
+        type=int,
+        metavar="ROUNDS",
+        help="one auto server: auto against per-request K=0 in ROUNDS alternating rounds",
+    )
+    parser.add_argument(
+        "--tables-only", action="store_true", help="rebuild <out>/autopilot.md or paired.md"
+    )
     args = parser.parse_args(argv)
     if args.tables_only and not args.out.is_dir():
         parser.error(f"--tables-only: no results folder {args.out}")
     if not args.tables_only:
-        _run(args, engine_extra)
-    markdown = table(args.out)
-    (args.out / "autopilot.md").write_text(markdown)
+        (_run_paired if args.paired else _run)(args, engine_extra)
+    name, markdown = (
+        ("paired.md", paired_table(args.out)) if args.paired else ("autopilot.md", table(args.out))
+    )
+    (args.out / name).write_text(markdown)
     print(markdown)
 
 
-def _run(args: argparse.Namespace, engine_extra: list[str]) -> None:
-    logs = args.out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+def _start_recording(args: argparse.Namespace) -> Path:
+    """<out>/logs, commands.txt and lscpu.txt; returns commands.txt."""
+    (args.out / "logs").mkdir(parents=True, exist_ok=True)
     record = args.out / "commands.txt"
     with record.open("a") as commands:
         commands.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: {' '.join(sys.argv)}\n")
         commands.write("lscpu > lscpu.txt\n")
     print("$ lscpu", flush=True)
     (args.out / "lscpu.txt").write_text(subprocess.check_output(["lscpu"], text=True))
-    engine = ["--max-num-seqs", str(args.max_num_seqs), *engine_extra]
+    return record
+
+
+def _serve(
+    args: argparse.Namespace, engine_extra: list[str], record: Path, name: str, flags: list[str]
+) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(PORT)]
+    command += [*flags, "--max-num-seqs", str(args.max_num_seqs)]
     if args.kv_cache_gib is not None:
-        engine = ["--kv-cache-gib", str(args.kv_cache_gib), *engine]
+        command += ["--kv-cache-gib", str(args.kv_cache_gib)]
+    command += engine_extra
+    with record.open("a") as commands:
+        commands.write(f"python {' '.join(command[1:])} &\n")
+    return _start(name, command, dict(os.environ), PORT, args.out / "logs")[0]
 
-    def serve(name: str, port: int, flags: list[str]) -> subprocess.Popen[bytes]:
-        command = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1"]
-        command += ["--port", str(port), *flags, *engine]
-        with record.open("a") as commands:
-            commands.write(f"python {' '.join(command[1:])} &\n")
-        return _start(name, command, dict(os.environ), port, logs)[0]
 
+def _run_paired(args: argparse.Namespace, engine_extra: list[str]) -> None:
+    record = _start_recording(args)
+    server = _serve(args, engine_extra, record, "specserve-auto", ["--speculation", "auto"])
+    url = f"http://127.0.0.1:{PORT}"
+    try:
+        for workload in args.workloads:
+            for level in args.concurrency:
+                _loadtest(
+                    [
+                        "compare", "--a", url, "--a-label", "auto", "--b", url,
+                        "--b-label", "off", "--b-body", json.dumps(SPECULATION_OFF),
+                        "--workload", workload, "--concurrency", str(level),
+                        "--rounds", str(args.paired),
+                        "--num-requests", str(args.num_requests or level * args.paired),
+                        "--max-tokens", str(args.max_tokens), "--seed", "0",
+                        "--no-progress", "--no-plots", "--output-dir",
+                        str(args.out / "paired" / f"{workload}-c{level}"),
+                    ],
+                    record,
+                )  # fmt: skip
+    finally:
+        _stop(server)
+
+
+def _run(args: argparse.Namespace, engine_extra: list[str]) -> None:
+    record = _start_recording(args)
     order = [*args.configs, *reversed(args.configs)]
     for number, config in enumerate(order):
         flags = ["--no-speculation"] if config == "no-spec" else _flags(config, args.max_num_seqs)
-        server = serve(f"specserve-{config}-{number}", PORT, flags)
+        server = _serve(args, engine_extra, record, f"specserve-{config}-{number}", flags)
         try:
             for workload in args.workloads:
                 for level in args.concurrency:

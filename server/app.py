@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException
 
 from server import metrics as server_metrics
 from server.admission import AdmissionController
-from server.api import chat, completions, health, metrics, models
+from server.api import chat, completions, create_response, health, metrics, models
 from server.api.admission import AdmissionMiddleware
 from server.api.auth import ApiKeyMiddleware
 from server.api.body_limit import BodySizeLimitMiddleware
@@ -115,7 +115,7 @@ def create_app(
     app.add_middleware(ApiKeyMiddleware, keys=api_keys, metrics_need_key=metrics_need_key)
     app.add_middleware(RequestMetricsMiddleware)
     app.add_middleware(RequestIdMiddleware)
-    for module in (completions, chat, models, health, metrics):
+    for module in (completions, chat, create_response, models, health, metrics):
         app.include_router(module.router)
 
     @app.exception_handler(APIError)

@@ -30,6 +30,7 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--speculation-max-batch-size", {"type": int}),
     ("--no-speculation", {"action": "store_true"}),
     ("--served-model-name", {}),
+    ("--tool-call-parser", {}),
     ("--max-model-len", {"type": int}),
     ("--dtype", {"choices": ["bfloat16", "float32", "auto"]}),
     ("--seed", {"type": int}),

@@ -79,6 +79,11 @@ class Settings(BaseSettings):
     served_model_name: str | None = Field(
         None, description="Model name clients use; defaults to the target's folder name."
     )
+    tool_call_parser: str = Field(
+        "hermes",
+        description="vLLM tool parser that reads tool calls out of the target's replies "
+        "(hermes: Qwen2.5's <tool_call> format); see vLLM's --tool-call-parser names.",
+    )
     max_model_len: int | None = Field(
         None, ge=16, description="Context length; defaults to the model's own."
     )

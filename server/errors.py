@@ -2,7 +2,8 @@
 
 Errors are raised, never returned. `APIError.to_body()` is the single mapping
 to OpenAI's `{"error": {...}}` JSON; the HTTP layer uses `status` for plain
-responses and `sse_event()` once headers are sent and a stream is under way.
+responses and, once headers are sent and a stream is under way, `sse_event()`
+(on the Responses API: an `error` event of `stream_event_fields()`).
 """
 
 import json
@@ -48,6 +49,11 @@ class APIError(Exception):
 
     def sse_event(self) -> str:
         return f"data: {json.dumps(self.to_body())}\n\n"
+
+    def stream_event_fields(self) -> dict[str, Any]:
+        """The fields of the Responses API's `error` stream event: flat, and the
+        code falls back to the type so the event always says which kind it is."""
+        return {"code": self.code or self.type, "message": self.message, "param": self.param}
 
 
 def error_statuses() -> list[int]:

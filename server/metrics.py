@@ -34,7 +34,7 @@ from server.engine.base import EngineInfo, EngineOutput, SpeculationStats
 ANONYMOUS_TENANT = "anonymous"
 # Endpoint labels are this fixed set (plus "/v1/models/{model}" and "other"),
 # so clients cannot grow it; generation endpoints are those reaching the engine.
-GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 KNOWN_ENDPOINTS = (*GENERATION_ENDPOINTS, "/v1/models", "/health", "/ready", "/metrics")
 SPECULATION_WINDOW_SECONDS = 60.0
 
@@ -135,8 +135,18 @@ ENGINE_DTYPE = Gauge(
 )  # fmt: skip
 
 
-# Why the draft idles at a K=0 step (the autopilot's reasons, fixed mode's cut-off).
-IDLE_REASONS = ("not_paying", "batch_too_large", "too_short", "calibrating", "disabled")
+# Why the draft idles at a K=0 step (the autopilot's reasons, fixed mode's cut-off, a
+# request with logit_bias in the step, which must not get drafts, and requests that all
+# asked for none with speculation.max_draft_tokens 0).
+IDLE_REASONS = (
+    "not_paying",
+    "batch_too_large",
+    "too_short",
+    "calibrating",
+    "disabled",
+    "logit_bias",
+    "requested_off",
+)
 SPECULATION_K_IN_FORCE = Gauge(
     "specserve_speculation_k_in_force",
     "K the draft proposed at the last engine step (0: the draft idled)",

@@ -17,10 +17,9 @@ from server.admission import AdmissionController
 from server.api.auth import tenant
 from server.errors import APIError, ShuttingDownError
 from server.lifecycle import Lifecycle
-from server.metrics import REFUSED, RequestObserver
+from server.metrics import GENERATION_ENDPOINTS, REFUSED, RequestObserver
 from server.rate_limit import RateLimiter
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 _OBSERVER = "specserve_observer"
 # Long enough for a load balancer to stop sending us traffic.
 _DRAINING_RETRY_AFTER_SECONDS = "5"
@@ -43,7 +42,7 @@ class AdmissionMiddleware:
         if (
             scope["type"] != "http"
             or scope["method"] != "POST"
-            or scope["path"] not in GENERATION_PATHS
+            or scope["path"] not in GENERATION_ENDPOINTS
         ):
             await self.app(scope, receive, send)
             return

@@ -11,9 +11,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from server.protocol.chat import ChatCompletionResponse
 from server.protocol.common import ErrorResponse
 from server.protocol.completions import CompletionResponse
+from server.protocol.responses import ResponseObject
 from server.serving.common import sse_stream
 
 T = TypeVar("T")
+GenerationResult = CompletionResponse | ChatCompletionResponse | ResponseObject
 
 
 def error_responses(*statuses: int | str) -> dict[int | str, dict[str, Any]]:
@@ -36,47 +38,70 @@ _ERRORS: dict[int | str, str] = {
     504: "Request deadline passed; the generation was stopped",
     "default": "Any other error",
 }
-# The 200 of a generation route with `stream: true`.
-STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
-    200: {
-        "description": "The response, or with `stream: true` server-sent events "
-        "ending in `data: [DONE]`",
-        # One event: its data is a chunk as JSON, an error as JSON, or [DONE].
-        "content": {
-            "text/event-stream": {
-                "schema": {
-                    "type": "object",
-                    "required": ["data"],
-                    "properties": {"data": {"type": "string"}},
+
+
+def _stream_200(description: str, fields: list[str]) -> dict[int | str, dict[str, Any]]:
+    """The 200 of a generation route, whose `stream: true` sends server-sent events
+    with these fields."""
+    return {
+        200: {
+            "description": description,
+            "content": {
+                "text/event-stream": {
+                    "schema": {
+                        "type": "object",
+                        "required": fields,
+                        "properties": {field: {"type": "string"} for field in fields},
+                    }
                 }
-            }
-        },
+            },
+        }
     }
+
+
+_GENERATION_ERRORS = error_responses(400, 401, 404, 413, 429, 503, 504)
+GENERATION_RESPONSES = {
+    # One event: its data is a chunk as JSON, an error as JSON, or [DONE].
+    **_stream_200(
+        "The response, or with `stream: true` server-sent events ending in `data: [DONE]`", ["data"]
+    ),
+    **_GENERATION_ERRORS,
 }
-GENERATION_RESPONSES = {**STREAM_RESPONSE, **error_responses(400, 401, 404, 413, 429, 503, 504)}
+# The Responses API's typed events: `event` is the type, `data` the event as JSON.
+TYPED_EVENT_RESPONSES = {
+    **_stream_200(
+        "The response, or with `stream: true` typed server-sent events ending "
+        "in response.completed, response.incomplete or error",
+        ["event", "data"],
+    ),
+    **_GENERATION_ERRORS,
+}
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    """Chunks as data events, ending in [DONE]."""
+    return sse_response(sse_stream(events))
+
+
+def sse_response(framed: AsyncIterator[str]) -> StreamingResponse:
     # Starlette cancels the body iterator when the client disconnects; the
     # cancellation reaches the engine stream, which aborts its request.
-    return StreamingResponse(
-        sse_stream(events), media_type="text/event-stream", headers=SSE_HEADERS
-    )
+    return StreamingResponse(framed, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 # nginx's "client closed request": nobody reads it, but logs and metrics do.
 CLIENT_CLOSED_REQUEST = 499
 
 
-async def json_unless_disconnected(
-    request: Request, work: Awaitable[CompletionResponse | ChatCompletionResponse]
-) -> Response:
+async def json_unless_disconnected(request: Request, work: Awaitable[GenerationResult]) -> Response:
     response = await until_disconnected(request.is_disconnected, work)
     if response is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONResponse(response.model_dump(mode="json"), headers=speculation_headers(response))
+    # By alias: a response may echo a request's `schema`, held as `schema_`.
+    body = response.model_dump(mode="json", by_alias=True)
+    return JSONResponse(body, headers=speculation_headers(response))
 
 
 async def until_disconnected(
@@ -98,7 +123,7 @@ async def until_disconnected(
             await asyncio.gather(task, return_exceptions=True)
 
 
-def speculation_headers(response: CompletionResponse | ChatCompletionResponse) -> dict[str, str]:
+def speculation_headers(response: GenerationResult) -> dict[str, str]:
     """The per-request speculation summary as headers, for clients that cannot
     read extra body fields."""
     summary = response.speculation

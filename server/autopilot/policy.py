@@ -360,7 +360,9 @@ class Decision:
 
     k: int  # K for this step (what the draft proposes)
     per_request_k: dict[str, int]  # each request's cap on drafts it verifies next step (<= k)
-    # None if k > 0, else not_paying, batch_too_large, too_short, disabled, calibrating
+    # None if k > 0, else not_paying, batch_too_large, too_short, disabled, calibrating, or
+    # logit_bias (set by the scheduler: a biased request must get no drafts) or requested_off
+    # (set by the scheduler: every request of the step asked for none)
     reason: str | None
     predicted_speedup: float  # predicted tokens/s at k over tokens/s at k=0 (1.0 when unknown)
     probing: bool  # this k is a probe (or calibration), not the optimum

@@ -14,7 +14,11 @@ through `autopilot_report`.
 Modes come from the environment the engine sets before vLLM spawns this
 process (`MODE_ENV`): "auto" (the controller), "fixed" (K up to a batch-size
 cut-off, as vLLM's static table) and "script" (a forced K sequence, for the
-losslessness tests). The policy itself is pure and imports no vLLM.
+losslessness tests). In every mode a step holding a request with `logit_bias`
+runs at K=0 (`logit_bias.py` says why), and a request's own
+`max_draft_tokens` (vLLM's extra_args, `MAX_DRAFT_TOKENS_ARG`) caps its drafts:
+a step whose requests all ask for none idles the draft. The policy itself is
+pure and imports no vLLM.
 """
 
 import itertools
@@ -23,6 +27,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -44,6 +49,7 @@ MODE_ENV = "SPECSERVE_SPECULATION_MODE"
 MAX_BATCH_ENV = "SPECSERVE_SPECULATION_MAX_BATCH_SIZE"
 # Requests the engine sends at startup to calibrate the cost model.
 CALIBRATION_PREFIX = "specserve-calibrate-"
+MAX_DRAFT_TOKENS_ARG = "specserve_max_draft_tokens"  # a request's cap, in extra_args
 SCRIPT_ENV = "SPECSERVE_SPECULATION_SCRIPT"  # "0x4,3x4,1": K for so many steps, cycled
 
 
@@ -54,6 +60,17 @@ def parse_script(text: str) -> list[int]:
         k, _, count = item.partition("x")
         steps.extend([int(k)] * int(count or 1))
     return steps
+
+
+def _has_logit_bias(request: Any) -> bool:
+    params = request.sampling_params  # None only for pooling requests
+    return params is not None and bool(params.logit_bias)
+
+
+def _draft_cap(request: Any) -> int | None:
+    params = request.sampling_params
+    extra = params.extra_args if params is not None else None
+    return extra.get(MAX_DRAFT_TOKENS_ARG) if extra else None
 
 
 def missing_hooks() -> str | None:
@@ -107,7 +124,7 @@ class AutopilotScheduler(Scheduler):
         if not request_ids:
             return output
         behind = self._draft_behind(output)
-        decision = self._decide(request_ids, behind)
+        decision = self._with_request_caps(self._decide(request_ids, behind), request_ids)
         output.num_spec_tokens_to_schedule = decision.k
         self._caught_up = sum(behind.values()) if decision.k else 0
         self._decision = decision
@@ -139,6 +156,11 @@ class AutopilotScheduler(Scheduler):
                 self._draft_seen[request_id] = request.num_computed_tokens
 
     def _decide(self, request_ids: list[str], behind: dict[str, int]) -> Decision:
+        if any(_has_logit_bias(self.requests[r]) for r in request_ids):
+            # vLLM's rejection sampler does not add logit_bias at verified draft positions, so
+            # no draft may reach a biased request: nothing is proposed at the end of its steps,
+            # and each of its tokens is the plain sampler's, with the bias (see logit_bias.py).
+            return Decision(0, {}, "logit_bias", 1.0, False)
         if self._mode == "script":
             k = next(self._script)
             return Decision(k, {}, None if k else "disabled", 1.0, False)
@@ -160,6 +182,21 @@ class AutopilotScheduler(Scheduler):
             for r in request_ids
         }
         return self._controller.choose(request_ids, behind, tokens_left)
+
+    def _with_request_caps(self, decision: Decision, request_ids: list[str]) -> Decision:
+        """Each request's own cap on top of the step's decision. The step's K is the most
+        any request may take, so a step whose requests all ask for none idles the draft.
+        (The controller prices the batch as if every request could take K.)"""
+        caps = {r: c for r in request_ids if (c := _draft_cap(self.requests[r])) is not None}
+        if not caps or decision.k == 0:
+            return decision
+        per_request = dict(decision.per_request_k)
+        for request_id, cap in caps.items():
+            per_request[request_id] = min(cap, per_request.get(request_id, cap))
+        k = min(decision.k, max(per_request.get(r, decision.k) for r in request_ids))
+        if k == 0:
+            return Decision(0, {}, "requested_off", 1.0, False)
+        return replace(decision, k=k, per_request_k=per_request)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         duration = time.perf_counter() - self._scheduled_at

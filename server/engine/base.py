@@ -2,14 +2,15 @@
 
 Everything the serving code needs from an inference engine is here: token
 counts, chat and fill-in-the-middle rendering (so limits are checked before
-generation), up-front validation of sampling parameters and JSON schemas (so
+generation), reading tool calls out of replies in the model's own format,
+up-front validation of sampling parameters and JSON schemas (so
 refusals come before a stream starts), a stream of per-step deltas whose
 early close aborts the request, and health.
 The vLLM adapter implements it; unit tests use a scripted double. Nothing
 here imports vllm or torch.
 """
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -37,6 +38,38 @@ class SamplingOptions:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     json_format: JsonFormat | None = None
+    # This request's cap on the drafts it verifies per step; 0: no speculation for it.
+    max_draft_tokens: int | None = None
+    # Token id -> bias added to its logit before sampling (read-only, e.g. a MappingProxyType);
+    # with speculation the engine must keep drafts away from such a request.
+    logit_bias: Mapping[int, float] | None = None
+
+
+@dataclass(frozen=True)
+class ToolCallFragment:
+    """Part of a tool call a streaming reply is writing: the call's place among the
+    reply's calls, its name the first time it appears, then pieces of its JSON arguments."""
+
+    index: int
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(frozen=True)
+class ParsedReply:
+    """A finished reply split into its text and its tool calls (name, JSON arguments)."""
+
+    content: str | None
+    calls: list[tuple[str, str]]
+
+
+class ToolCallParser(Protocol):
+    """Reads the tool calls of one choice out of its text, in the model's call format."""
+
+    def parse(self, text: str) -> ParsedReply: ...
+
+    def feed(self, text: str, token_ids: list[int]) -> tuple[str, list[ToolCallFragment]]:
+        """The next streamed delta: the text to send as content and the call fragments."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +152,14 @@ class Engine(Protocol):
 
     def decode(self, token_ids: list[int]) -> str: ...
 
-    def render_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The prompt for a conversation (OpenAI message dicts, tool calls' arguments
+        as objects) through the model's chat template, with the tools it may call."""
+
+    def tool_call_parser(self) -> ToolCallParser:
+        """A fresh parser for one choice's tool calls, in the model's call format."""
 
     def render_fill_in_the_middle(self, prefix: str, suffix: str) -> list[int]:
         """The prompt asking for the text between prefix and suffix, in the model's

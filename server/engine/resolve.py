@@ -2,15 +2,16 @@
 
 The embedded pair is pulled if it is not cached yet. Local folders are checked
 for draft/target compatibility, context length and a KV cache size that cannot
-hold one sequence, so a bad combination fails with one clear message instead
-of an engine traceback.
+hold one sequence, and the tool call parser is looked up, so a bad combination
+fails with one clear message instead of an engine traceback.
 """
 
 from pathlib import Path
 
-from server.config import Settings
+from server.config import ConfigError, Settings
 from server.engine.compat import check_draft_compatible, check_max_model_len, kv_cache_gib_for
 from server.engine.hardware import choose_dtype
+from server.engine.tool_calls import parser_class
 from server.engine.vllm_engine import EngineConfig, has_gpu
 from server.models import embedded
 
@@ -30,6 +31,10 @@ def _check_kv_cache(settings: Settings, models: list[str]) -> None:
 
 
 def resolve(settings: Settings) -> EngineConfig:
+    try:
+        parser_class(settings.tool_call_parser)
+    except ValueError as exc:
+        raise ConfigError(f"--tool-call-parser: {exc}") from exc
     method: str | None = None if settings.no_speculation else settings.speculative_method
     draft = settings.draft_model if method == "draft_model" else None
     if settings.uses_embedded_pair:
@@ -61,4 +66,5 @@ def resolve(settings: Settings) -> EngineConfig:
         kv_cache_gib=settings.kv_cache_gib,
         max_num_seqs=settings.max_num_seqs,
         tensor_parallel_size=settings.tensor_parallel_size,
+        tool_call_parser=settings.tool_call_parser,
     )

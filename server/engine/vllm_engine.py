@@ -27,9 +27,11 @@ from server.engine.base import (
     SpeculationInfo,
     SpeculationStats,
     TokenLogprob,
+    ToolCallParser,
 )
 from server.engine.compat import kv_cache_gib_for
 from server.engine.hardware import choose_dtype
+from server.engine.tool_calls import VllmToolCallParser, parser_class
 from server.errors import EngineUnavailableError, InternalError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -74,6 +76,7 @@ class EngineConfig:
     kv_cache_gib: int | None  # CPU only; None: sized for the dtype at start
     max_num_seqs: int
     tensor_parallel_size: int = 1  # GPUs the target is split across
+    tool_call_parser: str = "hermes"  # vLLM's name of the parser for the target's calls
     speculation_mode: Literal["auto", "fixed"] = "auto"
     # Tests only: K forced per engine step ("0x4,3x4,1": K for so many steps, cycled).
     speculation_script: str | None = None
@@ -125,6 +128,7 @@ class VllmEngine:
         self._tokenizer: Any = None
         self._info: EngineInfo | None = None
         self._feed: AutopilotFeed | None = None
+        self._tool_parser_class: Any = None
 
     async def start(self) -> None:
         from transformers import AutoTokenizer
@@ -170,6 +174,7 @@ class VllmEngine:
         )
         self._llm = AsyncLLM.from_engine_args(args)
         self._tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self._tool_parser_class = parser_class(config.tool_call_parser)
         vocabulary = self._tokenizer.get_vocab()
         self._fill_in_the_middle_ids = next(
             (
@@ -203,12 +208,12 @@ class VllmEngine:
         )
 
     def _prepare_autopilot(self) -> bool:
-        """Environment for the autopilot's scheduler and draft idling in vLLM's
+        """Environment for the autopilot's scheduler, draft idling and logit_bias in vLLM's
         processes (set before they spawn); False where this vLLM lacks the hooks."""
         config = self._config
         if config.speculative_method is None:
             return False
-        from server.engine import autopilot_scheduler, draft_sync
+        from server.engine import autopilot_scheduler, draft_sync, logit_bias
         from server.engine.autopilot_report import SOCKET_ENV
 
         missing = autopilot_scheduler.missing_hooks()
@@ -226,6 +231,14 @@ class VllmEngine:
         os.environ[autopilot_scheduler.SCRIPT_ENV] = config.speculation_script or ""
         os.environ[SOCKET_ENV] = self._feed.path
         os.environ[draft_sync.ENABLED_ENV] = "1"
+        # This scheduler keeps biased requests off drafts, so vLLM's refusal of logit_bias
+        # with speculation is lifted; without these hooks it stays (a 400).
+        missing = logit_bias.missing_hooks()
+        if missing is None:
+            os.environ[logit_bias.ENABLED_ENV] = "1"
+            logit_bias.allow_in_request_checks()
+        else:
+            logger.warning("logit_bias refused with speculation (this vLLM lacks %s)", missing)
         return True
 
     async def _calibrate(self) -> None:
@@ -308,16 +321,22 @@ class VllmEngine:
     def decode(self, token_ids: list[int]) -> str:
         return str(self._tokenizer.decode(token_ids))
 
-    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         try:
             text = self._tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
+                messages, tools=tools, tokenize=False, add_generation_prompt=True
             )
         except Exception as exc:  # the template itself rejects the conversation
             raise InvalidRequestError(
                 f"chat template rejected the messages: {exc}", param="messages"
             ) from exc
         return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def tool_call_parser(self) -> ToolCallParser:
+        assert self._tool_parser_class is not None, "engine not started"
+        return VllmToolCallParser(self._tool_parser_class, self._tokenizer)
 
     def render_fill_in_the_middle(self, prefix: str, suffix: str) -> list[int]:
         if self._fill_in_the_middle_ids is None:
@@ -390,8 +409,10 @@ class VllmEngine:
                 logprobs=options.logprobs,
                 presence_penalty=options.presence_penalty,
                 frequency_penalty=options.frequency_penalty,
+                logit_bias=None if options.logit_bias is None else dict(options.logit_bias),
                 structured_outputs=structured,
                 output_kind=RequestOutputKind.DELTA,
+                extra_args=_scheduler_args(options),
             )
         except (ValueError, VLLMClientError) as exc:
             raise InvalidRequestError(str(exc)) from exc
@@ -493,6 +514,15 @@ class VllmEngine:
         if decoded is not None:
             return decoded
         return str(self._tokenizer.decode([token_id]))
+
+
+def _scheduler_args(options: SamplingOptions) -> dict[str, Any] | None:
+    """What the autopilot scheduler reads from a request (vLLM carries it as extra_args)."""
+    if options.max_draft_tokens is None:
+        return None
+    from server.engine.autopilot_scheduler import MAX_DRAFT_TOKENS_ARG
+
+    return {MAX_DRAFT_TOKENS_ARG: options.max_draft_tokens}
 
 
 def _finish_reason(reason: str | None) -> str | None:

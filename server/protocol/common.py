@@ -6,12 +6,29 @@ that names it, never silently ignored.
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import ErrorDetails
 
 # Largest request fan-out and logprob alternatives we accept.
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+MAX_TOOLS = 128  # OpenAI's limit
+# logit_bias entries: OpenAI's API reference states no cap; 300 is the one OpenAI is
+# reported to enforce, and plenty for banning or forcing a handful of words.
+MAX_LOGIT_BIAS = 300
+# A logit_bias key: a token id as OpenAI spells it, decimal without sign or leading zeros.
+TokenIdKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]*)$")]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
 
 def _optional_properties_accept_null(schema: dict[str, Any]) -> None:
@@ -72,6 +89,23 @@ class ResponseFormat(StrictRequest):
         return self
 
 
+def _logit_bias_problem(error: ErrorDetails) -> str:
+    location = error["loc"]
+    if location[-1:] == ("[key]",):
+        return f"key {location[0]!r} is not a token id (a decimal integer)"
+    if location:
+        return f"token {location[0]}: {error['msg']}"
+    return error["msg"]
+
+
+class SpeculationOptions(StrictRequest):
+    """specserve's extension: speculation for this request alone."""
+
+    # At most this many draft tokens verified per step for this request; 0: none (the
+    # request decodes as without speculation), e.g. to A/B speculation on live traffic.
+    max_draft_tokens: int = Field(ge=0, le=64)
+
+
 class SamplingFields(StrictRequest):
     """Fields common to /v1/completions and /v1/chat/completions."""
 
@@ -88,6 +122,19 @@ class SamplingFields(StrictRequest):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
     response_format: ResponseFormat | None = None
+    # Token id -> bias added to its logit before sampling: -100 bans it, 100 forces it.
+    # Ids must be in the model's vocabulary, which only the engine knows (checked in serving).
+    logit_bias: Annotated[dict[TokenIdKey, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    speculation: SpeculationOptions | None = None
+
+    @field_validator("logit_bias", mode="wrap")
+    @classmethod
+    def _logit_bias_is_one_parameter(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        # An entry's error names `logit_bias` itself, as OpenAI's do, not a key inside it.
+        try:
+            return handler(value)
+        except ValidationError as exc:
+            raise ValueError("; ".join(_logit_bias_problem(e) for e in exc.errors())) from None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":
@@ -99,6 +146,9 @@ class SamplingFields(StrictRequest):
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def max_draft_tokens(self) -> int | None:
+        return None if self.speculation is None else self.speculation.max_draft_tokens
 
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -119,7 +169,7 @@ class SpeculationSummary(BaseModel):
 
     applied: bool
     # Why no draft was verified: disabled, not_paying, batch_too_large,
-    # calibrating or too_short; None when applied.
+    # calibrating, too_short or logit_bias; None when applied.
     reason: str | None = None
     mode: str | None = None  # auto (the autopilot picks K per step) or fixed
     method: str | None = None
@@ -146,3 +196,24 @@ class ErrorResponse(BaseModel):
     """OpenAI's error body, the shape of every error this server sends."""
 
     error: ErrorDetail
+
+
+def check_tool_choice(
+    choice: str | None, named: str | None, tool_names: list[str], format_param: str | None
+) -> None:
+    """Refuse a tool_choice the request cannot honour (chat and the Responses API).
+
+    `choice` is none/auto/required (None: not sent), `named` the function a named
+    choice names, `format_param` the parameter that already holds the reply to JSON.
+    """
+    if named is None and choice in (None, "none", "auto"):
+        return
+    if not tool_names:
+        raise ValueError("tool_choice other than none and auto needs tools")
+    if named is not None and named not in tool_names:
+        raise ValueError(f"tool_choice names {named!r}, which is not in tools")
+    if format_param is not None:
+        raise ValueError(
+            f"{format_param} and a required or named tool_choice both set the reply's "
+            "grammar; send one of them"
+        )

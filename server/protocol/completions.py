@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from server.protocol.common import MAX_LOGPROBS, MAX_N, SamplingFields, SpeculationSummary, Usage
 
@@ -18,9 +18,20 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     # Fill in the middle: the prompt is the text before the insertion, this the text after.
     suffix: str | None = None
-    # Accepted only at the value that changes nothing, so OpenAI clients that
-    # send the default keep working; anything else is a 400.
+    # Accepted only at the value that changes nothing (best_of = n: keep all n), so OpenAI
+    # clients that send it keep working; vLLM V1 has no best_of, so anything else is a 400.
     best_of: int | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n")  # absent when n itself was invalid
+        if best_of is not None and n is not None and best_of != n:
+            raise ValueError(
+                f"best_of must equal n ({n}): generating extra sequences to keep the best "
+                "is not supported"
+            )
+        return best_of
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> "CompletionRequest":
@@ -28,8 +39,6 @@ class CompletionRequest(SamplingFields):
             raise ValueError("echo together with suffix is not supported")
         if self.suffix is not None and not all(isinstance(p, str) for p in self.prompts()):
             raise ValueError("suffix needs text prompts, not token ids")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of other than n is not supported")
         if self.echo and self.logprobs is not None:
             raise ValueError("echo together with logprobs is not supported")
         if isinstance(self.prompt, list) and len(self.prompt) == 0:

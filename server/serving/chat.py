@@ -1,10 +1,17 @@
-"""Logic behind POST /v1/chat/completions: messages through the chat template,
-engine outputs to assistant messages or chunk deltas."""
+"""Logic behind POST /v1/chat/completions: messages and tools through the chat
+template, engine outputs to assistant messages (text or tool calls) or chunk deltas."""
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from server.engine.base import Engine, GenerationRequest, SamplingOptions, TokenLogprob
+from server.engine.base import (
+    Engine,
+    GenerationRequest,
+    ParsedReply,
+    SamplingOptions,
+    TokenLogprob,
+    ToolCallFragment,
+)
 from server.metrics import RequestObserver
 from server.protocol.chat import (
     AssistantMessage,
@@ -15,13 +22,19 @@ from server.protocol.chat import (
     ChatCompletionResponse,
     ChatDelta,
     ChoiceLogprobs,
+    NamedToolChoice,
     TokenLogprobEntry,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallFunction,
+    ToolCallFunctionDelta,
     TopLogprob,
 )
 from server.serving.common import (
     check_model,
     generate_all,
     json_format,
+    logit_bias,
     new_id,
     now,
     resolve_max_tokens,
@@ -30,6 +43,7 @@ from server.serving.common import (
     usage,
     validate_all,
 )
+from server.serving.tools import Function, ReplyCalls, ToolPlan, new_call_id, plan
 
 ENDPOINT = "/v1/chat/completions"
 
@@ -43,6 +57,18 @@ class PreparedChat:
     request: GenerationRequest
     observer: RequestObserver
     deadline: float | None  # time.perf_counter() by which generation must end
+    tools: ToolPlan | None
+
+
+def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
+    functions = [
+        Function(t.function.name, t.function.description, t.function.parameters)
+        for t in body.offered_tools()
+    ]
+    choice = body.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        return plan(functions, None, choice.function.name, body.parallel_tool_calls)
+    return plan(functions, choice, None, body.parallel_tool_calls)
 
 
 def prepare(
@@ -53,8 +79,9 @@ def prepare(
     deadline: float | None,
 ) -> PreparedChat:
     model = check_model(engine, body.model)
-    messages = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
-    token_ids = engine.render_chat(messages)
+    tools = tool_plan(body)
+    messages = [m.template_dict() for m in body.messages]
+    token_ids = engine.render_chat(messages, tools.template_tools() if tools else None)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(engine, len(token_ids), body.token_limit(), "messages", param)
     sampling = SamplingOptions(
@@ -67,13 +94,15 @@ def prepare(
         logprobs=body.logprob_count(),
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
-        json_format=json_format(body),
+        logit_bias=logit_bias(engine, body),
+        max_draft_tokens=body.max_draft_tokens(),
+        json_format=(tools.grammar() if tools else None) or json_format(body.response_format),
     )
     chat_id = new_id("chatcmpl")
     request = GenerationRequest(chat_id, token_ids, sampling)
     validate_all(engine, [request])
     observer = RequestObserver(model, ENDPOINT, arrival, tenant)
-    return PreparedChat(chat_id, now(), model, body, request, observer, deadline)
+    return PreparedChat(chat_id, now(), model, body, request, observer, deadline, tools)
 
 
 def _logprobs(entries: list[TokenLogprob] | None) -> ChoiceLogprobs | None:
@@ -108,15 +137,24 @@ async def complete(engine: Engine, prepared: PreparedChat) -> ChatCompletionResp
             if delta.finish_reason is not None:
                 finish[delta.index] = delta.finish_reason
     wants_logprobs = prepared.request.sampling.logprobs is not None
-    choices = [
-        ChatChoice(
-            index=index,
-            message=AssistantMessage(content="".join(parts)),
-            logprobs=_logprobs(logprobs.get(index, [])) if wants_logprobs else None,
-            finish_reason=finish.get(index),
+    choices = []
+    for index, parts in sorted(texts.items()):
+        text = "".join(parts)
+        parsed = ParsedReply(text, [])
+        if prepared.tools is not None:
+            parsed = ReplyCalls.start(engine, prepared.tools).parse(text)
+        calls = [
+            ToolCall(id=new_call_id(), function=ToolCallFunction(name=name, arguments=arguments))
+            for name, arguments in parsed.calls
+        ]
+        choices.append(
+            ChatChoice(
+                index=index,
+                message=AssistantMessage(content=parsed.content, tool_calls=calls or None),
+                logprobs=_logprobs(logprobs.get(index, [])) if wants_logprobs else None,
+                finish_reason=_finish_reason(finish.get(index), parsed),
+            )
         )
-        for index, parts in sorted(texts.items())
-    ]
     return ChatCompletionResponse(
         id=prepared.id,
         created=prepared.created,
@@ -125,6 +163,25 @@ async def complete(engine: Engine, prepared: PreparedChat) -> ChatCompletionResp
         usage=usage(observer),
         speculation=speculation_summary(engine, observer),
     )
+
+
+def _finish_reason(reason: str | None, parsed: ParsedReply) -> str | None:
+    # A reply cut off by max_tokens stays "length", calls or not.
+    return "tool_calls" if parsed.calls and reason == "stop" else reason
+
+
+def _call_deltas(fragments: list[ToolCallFragment]) -> list[ToolCallDelta] | None:
+    """OpenAI's shape: a call's first delta has its id, type and name."""
+    deltas = [
+        ToolCallDelta(
+            index=f.index,
+            id=new_call_id() if f.name is not None else None,
+            type="function" if f.name is not None else None,
+            function=ToolCallFunctionDelta(name=f.name, arguments=f.arguments),
+        )
+        for f in fragments
+    ]
+    return deltas or None
 
 
 async def stream(engine: Engine, prepared: PreparedChat) -> AsyncIterator[str]:
@@ -143,21 +200,38 @@ async def stream(engine: Engine, prepared: PreparedChat) -> AsyncIterator[str]:
     for index in range(prepared.body.n):
         yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
     observer = prepared.observer
+    tools = prepared.tools
+    calls = {i: ReplyCalls.start(engine, tools) for i in range(prepared.body.n)} if tools else {}
+    texts: dict[int, str] = {}
     outputs = generate_all(engine, [prepared.request], observer, prepared.deadline)
     async for _, output in outputs:
         for delta in output.choices:
             # Tokens may carry no text yet (a partial character, a held-back
             # stop-string prefix) but still carry logprobs.
-            if delta.token_ids or delta.finish_reason is not None:
-                yield chunk(
-                    [
-                        ChatChunkChoice(
-                            index=delta.index,
-                            delta=ChatDelta(content=delta.text),
-                            logprobs=_logprobs(delta.logprobs),
-                            finish_reason=delta.finish_reason,
-                        )
-                    ]
-                )
+            if not (delta.token_ids or delta.finish_reason is not None):
+                continue
+            content, finish = delta.text, delta.finish_reason
+            fragments: list[ToolCallFragment] = []
+            if delta.index in calls:
+                reply = calls[delta.index]
+                texts[delta.index] = texts.get(delta.index, "") + delta.text
+                content, fragments = reply.feed(delta.text, delta.token_ids)
+                if finish is not None:
+                    rest, more, parsed = reply.close(texts[delta.index])
+                    content, fragments = content + rest, fragments + more
+                    finish = _finish_reason(finish, parsed)
+            yield chunk(
+                [
+                    ChatChunkChoice(
+                        index=delta.index,
+                        delta=ChatDelta(
+                            content=content if content or not fragments else None,
+                            tool_calls=_call_deltas(fragments),
+                        ),
+                        logprobs=_logprobs(delta.logprobs),
+                        finish_reason=finish,
+                    )
+                ]
+            )
     if prepared.body.include_usage_in_stream():
         yield chunk([], usage=usage(observer), speculation=speculation_summary(engine, observer))

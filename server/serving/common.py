@@ -1,8 +1,10 @@
-"""Serving logic shared by completions and chat: checks, fan-out, SSE framing.
+"""Serving logic shared by completions, chat and the Responses API: checks,
+fan-out, SSE framing.
 
 Everything that happens before the first byte is sent (model name, context
 length) raises an `APIError` the HTTP layer turns into a status code; once a
-stream is under way, errors become an SSE error event followed by [DONE].
+stream is under way, errors become an SSE error event followed by [DONE]
+(the Responses API: its `error` event, nothing after it).
 """
 
 import asyncio
@@ -10,8 +12,9 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import aclosing
+from types import MappingProxyType
 
 from pydantic import BaseModel
 
@@ -20,31 +23,49 @@ from server.errors import (
     APIError,
     ContextLengthExceededError,
     InternalError,
+    InvalidRequestError,
     ModelNotFoundError,
     RequestTimeoutError,
 )
 from server.metrics import RequestObserver
-from server.protocol.common import SamplingFields, SpeculationSummary, Usage
+from server.protocol.common import ResponseFormat, SamplingFields, SpeculationSummary, Usage
 
 logger = logging.getLogger(__name__)
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, separator: str = "-") -> str:
+    # OpenAI's ids: "chatcmpl-..." and "cmpl-...", but "resp_..." and its items' "msg_...".
+    return f"{prefix}{separator}{uuid.uuid4().hex}"
 
 
 def now() -> int:
     return int(time.time())
 
 
-def json_format(body: SamplingFields) -> JsonFormat | None:
-    """The JSON constraint the request's response_format asks for, if any."""
-    response_format = body.response_format
+def json_format(response_format: ResponseFormat | None) -> JsonFormat | None:
+    """The JSON constraint a response_format asks for, if any."""
     if response_format is None or response_format.type == "text":
         return None
     if response_format.json_schema is None:
         return JsonFormat()
     return JsonFormat(response_format.json_schema.schema_)
+
+
+def logit_bias(engine: Engine, body: SamplingFields) -> Mapping[int, float] | None:
+    """The request's logit_bias by token id (None when empty); ids outside the target's
+    vocabulary are a 400 naming it (the protocol already checked their form and values)."""
+    if not body.logit_bias:
+        return None
+    vocab_size = engine.info().vocab_size
+    bias = {int(token): value for token, value in body.logit_bias.items()}
+    outside = sorted(token for token in bias if token >= vocab_size)
+    if outside:
+        raise InvalidRequestError(
+            f"logit_bias token ids must be below the vocabulary size {vocab_size}; "
+            f"got {outside[:5]}",
+            param="logit_bias",
+        )
+    return MappingProxyType(bias)
 
 
 def validate_all(engine: Engine, requests: list[GenerationRequest]) -> None:
@@ -181,8 +202,11 @@ def speculation_summary(engine: Engine, observer: RequestObserver) -> Speculatio
     When no draft was verified, `reason` says why: "disabled" (no speculation
     on this server), the autopilot's reason for idling the draft while the
     request ran ("not_paying", "batch_too_large", "calibrating", "too_short":
-    too few tokens left to pay back the draft catching up on the prompt), or
-    "too_short" also when the output ended before a draft could be verified.
+    too few tokens left to pay back the draft catching up on the prompt,
+    "logit_bias": the request or a neighbour carried one, which drafts must not
+    reach, "requested_off": `speculation.max_draft_tokens` 0 on every request of
+    its steps), or "too_short" also when the output ended before a draft could be
+    verified.
     """
     config = engine.info().speculation
     if config is None:
@@ -224,17 +248,23 @@ def sse(payload: BaseModel) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Frame a stream: an error after the 200 becomes a data event, and the
-    stream always ends with [DONE]."""
+async def sse_stream(
+    events: AsyncIterator[str],
+    error_event: Callable[[APIError], str] = APIError.sse_event,
+    last: str | None = SSE_DONE,
+) -> AsyncIterator[str]:
+    """Frame a stream: an error after the 200 becomes an event (`error_event`; by
+    default a data event), and the stream always ends with `last` ([DONE]; the
+    Responses API sends nothing after its final event)."""
     try:
         async for event in events:
             yield event
     except APIError as exc:
-        yield exc.sse_event()
+        yield error_event(exc)
     except asyncio.CancelledError:
         raise
     except Exception:
         logger.exception("stream failed")
-        yield InternalError("internal error while streaming").sse_event()
-    yield SSE_DONE
+        yield error_event(InternalError("internal error while streaming"))
+    if last is not None:
+        yield last

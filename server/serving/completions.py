@@ -22,6 +22,7 @@ from server.serving.common import (
     check_model,
     generate_all,
     json_format,
+    logit_bias,
     new_id,
     now,
     resolve_max_tokens,
@@ -57,6 +58,7 @@ def prepare(
 ) -> PreparedCompletion:
     model = check_model(engine, body.model)
     completion_id = new_id("cmpl")
+    bias = logit_bias(engine, body)
     requests, echo_texts = [], []
     for position, prompt in enumerate(body.prompts()):
         if isinstance(prompt, str) and body.suffix is not None:
@@ -77,7 +79,9 @@ def prepare(
             logprobs=body.logprobs,
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
-            json_format=json_format(body),
+            json_format=json_format(body.response_format),
+            logit_bias=bias,
+            max_draft_tokens=body.max_draft_tokens(),
         )
         requests.append(GenerationRequest(f"{completion_id}-{position}", token_ids, sampling))
         if body.echo:

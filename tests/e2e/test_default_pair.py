@@ -17,6 +17,15 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from agents import (
+    Agent,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    OpenAIResponsesModel,
+    RunConfig,
+    Runner,
+    function_tool,
+)
 from pydantic import BaseModel
 
 from tests.net import free_port, wait_until_up
@@ -150,3 +159,141 @@ def test_json_object_mode_replies_json(client: openai.OpenAI) -> None:
         temperature=0,
     )
     assert isinstance(json.loads(result.choices[0].message.content or ""), dict)
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a given city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_a_required_tool_call_round_trip_and_its_stream(client: openai.OpenAI) -> None:
+    # tool_choice "required": the grammar makes the call. Under "auto" this coder
+    # model writes a ```json block rather than Qwen's <tool_call> format (see README).
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    request = {
+        "model": "qwen2.5-coder-1.5b-instruct",
+        "messages": messages,
+        "tools": [WEATHER_TOOL],
+        "tool_choice": "required",
+        "max_tokens": 48,
+        "temperature": 0,
+    }
+    result = client.chat.completions.create(**request)  # type: ignore[call-overload]
+    assert result.choices[0].finish_reason == "tool_calls"
+    [call] = result.choices[0].message.tool_calls or []
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+    stream = client.chat.completions.create(**request, stream=True)  # type: ignore[call-overload]
+    pieces = [
+        p for chunk in stream if chunk.choices for p in chunk.choices[0].delta.tool_calls or []
+    ]
+    assert pieces[0].function and pieces[0].function.name == "get_weather"
+    assert "".join(p.function.arguments or "" for p in pieces if p.function) == (
+        call.function.arguments
+    )
+
+    history = [
+        *messages,
+        result.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sunny"}'},
+    ]
+    answer = client.chat.completions.create(
+        model="qwen2.5-coder-1.5b-instruct",
+        messages=history,  # type: ignore[arg-type]
+        max_tokens=32,
+        temperature=0,
+    )
+    assert "sunny" in (answer.choices[0].message.content or "").lower()
+
+
+# The Responses API's flat function tool.
+WEATHER_FUNCTION = {"type": "function", **WEATHER_TOOL["function"]}
+# Without them the model repeats the call as text after reading the result.
+WEATHER_INSTRUCTIONS = (
+    "You are a weather assistant. Use the get_weather tool, then tell the user the weather "
+    "it reported."
+)
+PARIS_WEATHER = "Paris: sunny, 23 degrees Celsius"
+
+
+def test_responses_call_a_tool_and_answer_with_its_result(client: openai.OpenAI) -> None:
+    # tool_choice "required": under "auto" this model writes the call as text (see README).
+    question = {"role": "user", "content": "What is the weather in Paris?"}
+    request = {
+        "model": "qwen2.5-coder-1.5b-instruct",
+        "instructions": WEATHER_INSTRUCTIONS,
+        "input": [question],
+        "tools": [WEATHER_FUNCTION],
+        "tool_choice": "required",
+        "max_output_tokens": 48,
+        "temperature": 0,
+    }
+    result = client.responses.create(**request)  # type: ignore[call-overload]
+    [call] = result.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert json.loads(call.arguments) == {"city": "Paris"}
+
+    with client.responses.stream(**request) as stream:  # type: ignore[call-overload]
+        streamed = stream.get_final_response()
+    assert [(c.type, c.arguments) for c in streamed.output] == [("function_call", call.arguments)]
+
+    answer = client.responses.create(
+        model="qwen2.5-coder-1.5b-instruct",
+        instructions=WEATHER_INSTRUCTIONS,
+        input=[  # type: ignore[list-item]
+            question,
+            call.model_dump(exclude_none=True),
+            {"type": "function_call_output", "call_id": call.call_id, "output": PARIS_WEATHER},
+        ],
+        tools=[WEATHER_FUNCTION],  # type: ignore[list-item]
+        max_output_tokens=48,
+        temperature=0,
+    )
+    assert [item.type for item in answer.output] == ["message"]
+    assert "23" in answer.output_text and "sunny" in answer.output_text.lower()
+
+
+@pytest.mark.parametrize("model_class", [OpenAIResponsesModel, OpenAIChatCompletionsModel])
+async def test_an_agent_calls_its_tool_and_answers_with_the_result(
+    base_url: str, model_class: type[OpenAIResponsesModel] | type[OpenAIChatCompletionsModel]
+) -> None:
+    asked: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a given city."""
+        asked.append(city)
+        return PARIS_WEATHER if city == "Paris" else f"{city}: unknown"
+
+    client = openai.AsyncOpenAI(
+        base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600
+    )
+    agent = Agent(
+        name="weather",
+        instructions=WEATHER_INSTRUCTIONS,
+        model=model_class(model="qwen2.5-coder-1.5b-instruct", openai_client=client),
+        # "required" for the first turn: under "auto" this model writes the call as text.
+        # The SDK resets tool_choice after the call (reset_tool_choice), so the next turn
+        # may answer in text.
+        model_settings=ModelSettings(temperature=0, max_tokens=64, tool_choice="required"),
+        tools=[get_weather],
+    )
+    result = await Runner.run(
+        agent,
+        "What is the weather in Paris?",
+        max_turns=3,
+        run_config=RunConfig(tracing_disabled=True),
+    )
+    assert asked == ["Paris"]
+    assert "23" in result.final_output and "sunny" in result.final_output.lower()

@@ -140,3 +140,25 @@ async def test_auto_mode_calibrates_decides_and_reports(auto_server: RunningServ
     assert REGISTRY.get_sample_value("specserve_speculation_k_in_force", labels) is not None
     assert REGISTRY.get_sample_value("specserve_speculation_predicted_speedup", labels) > 0
     assert "specserve_speculation_steps_total{" in text
+
+
+async def test_a_request_caps_its_own_drafts(scripted_self_draft: RunningServer) -> None:
+    async def complete(http: httpx.AsyncClient, extra: dict) -> dict:
+        body = {"model": "tiny-self-scripted", "prompt": PROMPTS[1], "max_tokens": 40}
+        response = await http.post("/v1/completions", json={**body, "temperature": 0, **extra})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    async with httpx.AsyncClient(base_url=scripted_self_draft.base_url, timeout=120) as http:
+        free = await complete(http, {})
+        one = await complete(http, {"speculation": {"max_draft_tokens": 1}})
+        off = await complete(http, {"speculation": {"max_draft_tokens": 0}})
+    # The script asks for up to 3 drafts; capped at 1, every verify step checks one.
+    assert free["speculation"]["draft_tokens"] > free["speculation"]["drafts"] > 0
+    assert one["speculation"]["draft_tokens"] == one["speculation"]["drafts"] > 0
+    assert off["speculation"]["drafts"] == 0
+    assert set(off["speculation"]["steps_by_k"]) == {"0"}
+    scheduler, _ = _reports(scripted_self_draft)
+    assert scheduler["zero_steps_by_reason"]["requested_off"] > 0
+    texts = {reply["choices"][0]["text"] for reply in (free, one, off)}
+    assert len(texts) == 1

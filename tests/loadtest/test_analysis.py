@@ -2,7 +2,7 @@
 
 import pytest
 
-from loadtest.analysis import ratios, schedule, speedup, stops_paying
+from loadtest.analysis import paired_speedup, ratios, schedule, speedup, stops_paying
 
 
 def test_pays_only_at_batch_one() -> None:
@@ -53,3 +53,27 @@ def test_ratios_and_speedup() -> None:
     assert result["failed"] is None  # 0 / 0
     assert result["TPOT p99 (ms)"] is None  # missing
     assert speedup(a, b) == pytest.approx(1.5)
+
+
+def block(tokens: float, seconds: float) -> dict[str, float]:
+    return {"output_tokens": tokens, "duration_s": seconds}
+
+
+def test_round_by_round_drift_cancels_and_the_interval_shows_the_noise() -> None:
+    # The machine slows down 2x over the run; A is 10% faster in every round.
+    a = [block(110, 1.0), block(110, 2.0), block(110, 1.5)]
+    b = [block(100, 1.0), block(100, 2.0), block(100, 1.5)]
+    steady = paired_speedup(a, b)
+    assert steady is not None
+    assert steady["speedup"] == pytest.approx(1.1)
+    assert steady["low"] == pytest.approx(1.1) and steady["high"] == pytest.approx(1.1)
+    # Pooled, the same blocks give the same 1.1; rounds that disagree widen the interval.
+    noisy = paired_speedup([block(120, 1.0), block(100, 1.0), block(110, 1.0)], b[:1] * 3)
+    assert noisy is not None and noisy["rounds"] == 3
+    assert noisy["low"] < 1.0 < 1.1 < noisy["high"]
+
+
+def test_round_by_round_needs_output_on_both_sides() -> None:
+    assert paired_speedup([block(0, 1.0)], [block(10, 1.0)]) is None
+    one = paired_speedup([block(20, 1.0)], [block(10, 1.0)])
+    assert one == {"rounds": 1, "speedup": pytest.approx(2.0), "low": None, "high": None}

@@ -62,6 +62,30 @@ async def test_alternating_rounds_send_the_same_prompts_in_abba_order() -> None:
         assert server.speculation is None  # no /metrics
 
 
+async def test_one_url_with_two_bodies_is_two_sides_with_blocks_per_round() -> None:
+    bodies: list[dict] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            bodies.append(json.loads(request.content))
+        return await scripted.handler(request)
+
+    scripted = Scripted("x", [])
+    servers = []
+    for label, extra in (("on", {}), ("off", {"speculation": {"max_draft_tokens": 0}})):
+        client = httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://t")
+        servers.append(Server(label, "http://t", client, "m", extra_body=extra))
+    await measure(
+        servers, ITEMS, Load(concurrency=1), Options(), num_requests=4, duration=None,
+        rounds=2, seed=0, show_progress=False,
+    )  # fmt: skip
+    # ABBA: on, off, off, on; two requests per block.
+    assert ["speculation" in body for body in bodies] == [False] * 2 + [True] * 4 + [False] * 2
+    for server in servers:
+        assert [block["output_tokens"] for block in server.blocks] == [2, 2]
+        assert all(block["duration_s"] > 0 for block in server.blocks)
+
+
 @pytest.mark.parametrize("concurrency", [1, 3])
 async def test_fixed_concurrency_keeps_that_many_in_flight(concurrency: int) -> None:
     scripted = Scripted("a", [], delay=0.02)

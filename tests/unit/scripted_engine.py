@@ -1,11 +1,14 @@
 """A scripted stand-in for the engine, for fast HTTP-layer tests only.
 
 Each word of a prompt is one token; generation replays a fixed script of
-words per choice, honours max_tokens and stop strings, and records aborts.
+words per choice (its i-th word is token i, which a logit_bias of -100
+bans), honours max_tokens and stop strings, and records aborts.
 The integration tests run the same routes on the real vLLM engine.
 """
 
 import asyncio
+import json
+import re
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -14,9 +17,11 @@ from server.engine.base import (
     EngineInfo,
     EngineOutput,
     GenerationRequest,
+    ParsedReply,
     SpeculationInfo,
     SpeculationStats,
     TokenLogprob,
+    ToolCallFragment,
 )
 from server.errors import APIError, InvalidRequestError
 
@@ -24,6 +29,29 @@ from server.errors import APIError, InvalidRequestError
 SCRIPTED_SPECULATION = SpeculationStats(
     drafts=2, draft_tokens=6, accepted_tokens=4, accepted_per_position=[2, 1, 1]
 )
+
+
+class ScriptedToolCallParser:
+    """Calls as `<call>{"name": ..., "arguments": {...}}</call>`; while streaming it
+    sends the text before the first call and leaves the calls to the end."""
+
+    CALL = re.compile(r"<call>(.*?)</call>", re.DOTALL)
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def parse(self, text: str) -> ParsedReply:
+        calls = [json.loads(body) for body in self.CALL.findall(text)]
+        if not calls:
+            return ParsedReply(text or None, [])
+        content = text[: text.index("<call>")]
+        return ParsedReply(
+            content or None, [(c["name"], json.dumps(c["arguments"])) for c in calls]
+        )
+
+    def feed(self, text: str, token_ids: list[int]) -> tuple[str, list[ToolCallFragment]]:
+        self.text += text
+        return ("", []) if "<call>" in self.text else (text, [])
 
 
 class ScriptedEngine:
@@ -41,6 +69,8 @@ class ScriptedEngine:
         self.healthy = True
         self.aborted: list[str] = []
         self.requests: list[GenerationRequest] = []
+        self.rendered_messages: list[dict[str, Any]] = []
+        self.rendered_tools: list[dict[str, Any]] | None = None
 
     def info(self) -> EngineInfo:
         return EngineInfo(
@@ -62,8 +92,14 @@ class ScriptedEngine:
     def decode(self, token_ids: list[int]) -> str:
         return " ".join("x" * t for t in token_ids)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        self.rendered_messages, self.rendered_tools = messages, tools
         return self.tokenize(" ".join(f"{m['role']}: {m['content']}" for m in messages))
+
+    def tool_call_parser(self) -> ScriptedToolCallParser:
+        return ScriptedToolCallParser()
 
     def render_fill_in_the_middle(self, prefix: str, suffix: str) -> list[int]:
         # Token 0 (no word has length 0) stands for each fill-in-the-middle marker.
@@ -81,8 +117,11 @@ class ScriptedEngine:
         texts = {i: "" for i in range(options.n)}
         finished_choices: set[int] = set()
         done = False
+        # The script's words are tokens 1, 2, ...; a bias of -100 bans one.
+        bias = options.logit_bias or {}
+        tokens = [(i + 1, w) for i, w in enumerate(self.script) if bias.get(i + 1, 0.0) > -100]
         try:
-            for step, word in enumerate(self.script):
+            for step, (token_id, word) in enumerate(tokens):
                 if self.fail_after is not None and step == self.fail_after:
                     raise APIError("scripted failure")
                 if self.step_delay:
@@ -98,7 +137,7 @@ class ScriptedEngine:
                     if hit is not None:
                         text = word[: word.index(hit)] if hit in word else ""
                         finish = "stop"
-                    elif step + 1 >= options.max_tokens or step + 1 == len(self.script):
+                    elif step + 1 >= options.max_tokens or step + 1 == len(tokens):
                         finish = "length" if step + 1 >= options.max_tokens else "stop"
                     logprobs = None
                     if options.logprobs is not None:
@@ -106,7 +145,7 @@ class ScriptedEngine:
                         logprobs = [TokenLogprob(word, -0.5, alternatives)]
                     speculation = SCRIPTED_SPECULATION if finish is not None else None
                     choices.append(
-                        ChoiceDelta(index, text, [step + 1], logprobs, finish, speculation)
+                        ChoiceDelta(index, text, [token_id], logprobs, finish, speculation)
                     )
                     if finish is not None:
                         finished_choices.add(index)

@@ -142,3 +142,48 @@ def test_the_hook_check_still_passes_once_the_patch_is_loaded(
     monkeypatch.setenv(draft_sync.ENABLED_ENV, "1")
     draft_sync.install()
     assert autopilot_scheduler.missing_hooks() is None
+
+
+def _capped_scheduler(caps: dict[str, int | None]) -> autopilot_scheduler.AutopilotScheduler:
+    scheduler = object.__new__(autopilot_scheduler.AutopilotScheduler)
+    scheduler.requests = {
+        r: SimpleNamespace(
+            sampling_params=SimpleNamespace(
+                extra_args=None if cap is None else {autopilot_scheduler.MAX_DRAFT_TOKENS_ARG: cap}
+            )
+        )
+        for r, cap in caps.items()
+    }
+    return scheduler
+
+
+STEP_AT_3 = autopilot_scheduler.Decision(3, {"a": 2}, None, 1.3, False)
+
+
+def test_requests_without_a_cap_keep_the_step_s_decision() -> None:
+    scheduler = _capped_scheduler({"a": None, "b": None})
+    assert scheduler._with_request_caps(STEP_AT_3, ["a", "b"]) == STEP_AT_3
+
+
+def test_a_step_whose_requests_all_ask_for_no_drafts_idles_the_draft() -> None:
+    scheduler = _capped_scheduler({"a": 0, "b": 0})
+    decision = scheduler._with_request_caps(STEP_AT_3, ["a", "b"])
+    assert (decision.k, decision.per_request_k, decision.reason) == (0, {}, "requested_off")
+
+
+def test_one_request_off_leaves_its_neighbour_speculating() -> None:
+    scheduler = _capped_scheduler({"a": None, "b": 0})
+    decision = scheduler._with_request_caps(STEP_AT_3, ["a", "b"])
+    # "a" keeps the controller's own cap of 2, so the draft proposes no more than 2.
+    assert (decision.k, decision.per_request_k) == (2, {"a": 2, "b": 0})
+    uncapped = autopilot_scheduler.Decision(3, {}, None, 1.3, False)
+    decision = scheduler._with_request_caps(uncapped, ["a", "b"])
+    assert (decision.k, decision.per_request_k) == (3, {"b": 0})
+
+
+def test_the_step_proposes_no_more_than_the_largest_cap() -> None:
+    scheduler = _capped_scheduler({"a": 1, "b": 2})
+    decision = scheduler._with_request_caps(STEP_AT_3, ["a", "b"])
+    assert (decision.k, decision.per_request_k) == (2, {"a": 1, "b": 2})
+    idle = autopilot_scheduler.Decision(0, {}, "not_paying", 1.0, False)
+    assert scheduler._with_request_caps(idle, ["a", "b"]) == idle

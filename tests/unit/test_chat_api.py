@@ -109,3 +109,16 @@ async def test_stream_puts_role_first_and_finish_reason_last(client: httpx.Async
         assert [m["finish_reason"] for m in mine][-1] == "length"
         assert all(m["finish_reason"] is None for m in mine[:-1])
     assert chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+async def test_a_request_s_draft_cap_reaches_the_engine(
+    client: httpx.AsyncClient, engine: ScriptedEngine
+) -> None:
+    cap = {"speculation": {"max_draft_tokens": 0}}
+    chat = {"model": "scripted", "messages": USER, **cap}
+    assert (await client.post("/v1/chat/completions", json=chat)).status_code == 200
+    completion = {"model": "scripted", "prompt": "x", **cap}
+    assert (await client.post("/v1/completions", json=completion)).status_code == 200
+    plain = {"model": "scripted", "prompt": "x"}
+    assert (await client.post("/v1/completions", json=plain)).status_code == 200
+    assert [r.sampling.max_draft_tokens for r in engine.requests] == [0, 0, None]

@@ -3,7 +3,8 @@
 import pytest
 from pydantic import ValidationError
 
-from server.config import Settings
+from server.config import ConfigError, Settings
+from server.engine.resolve import resolve
 from server.engine.vllm_engine import speculation_schedule
 
 
@@ -47,3 +48,8 @@ def test_schedule_switches_speculation_off_above_the_cut_off() -> None:
     assert speculation_schedule(3, 1, 16) == [[1, 1, 3], [2, 16, 0]]
     assert speculation_schedule(4, 16, 16) == [[1, 16, 4]]
     assert speculation_schedule(4, 64, 16) == [[1, 16, 4]]
+
+
+def test_an_unknown_tool_call_parser_is_refused_before_any_model_loads() -> None:
+    with pytest.raises(ConfigError, match="unknown tool call parser 'nope'"):
+        resolve(Settings(tool_call_parser="nope"))

@@ -8,6 +8,7 @@ from tests.unit.sse import events
 
 USER = [{"role": "user", "content": "hi"}]
 SCHEMA = {"name": "answer", "schema": {"type": "object"}}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 def assert_error(response: httpx.Response, status: int, code: str | None = None) -> dict:
@@ -58,7 +59,6 @@ async def test_invalid_values_are_400_naming_the_parameter(
         ({"suffix": "end", "prompt": [1, 2]}, "suffix"),
         ({"best_of": 3}, "best_of"),
         ({"echo": True, "logprobs": 1}, "echo"),
-        ({"logit_bias": {"1": 2}}, "logit_bias"),
     ],
 )
 async def test_unsupported_completion_parameters_are_400(
@@ -73,7 +73,24 @@ async def test_unsupported_completion_parameters_are_400(
 @pytest.mark.parametrize(
     ("extra", "words"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "needs tools"),
+        ({"speculation": {"max_draft_tokens": -1}}, "max_draft_tokens"),
+        ({"speculation": {"k": 1}}, "k"),
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "not in tools",
+        ),
+        (
+            {
+                "tools": [TOOL],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "send one of them",
+        ),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "name"),
+        ({"messages": [{"role": "assistant"}]}, "needs content"),
+        ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "tool_call_id"),
         (
             {
                 "messages": [
@@ -85,7 +102,7 @@ async def test_unsupported_completion_parameters_are_400(
             },
             "messages",
         ),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"messages": []}, "messages"),
         ({"response_format": {"type": "xml"}}, "response_format"),

@@ -1,0 +1,33 @@
+"""Route POST /v1/responses (OpenAI's Responses API, stateless).
+
+Named for the operation: `api/responses.py` holds the HTTP response helpers.
+"""
+
+import asyncio
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from server.api.admission import record_usage
+from server.api.auth import tenant
+from server.api.deps import EngineDep
+from server.api.instrumentation import arrival, deadline
+from server.api.responses import TYPED_EVENT_RESPONSES, json_unless_disconnected, sse_response
+from server.protocol.responses import CreateResponseRequest, ResponseObject
+from server.serving import responses
+
+router = APIRouter()
+
+
+@router.post("/v1/responses", response_model=ResponseObject, responses=TYPED_EVENT_RESPONSES)
+async def create_response(
+    body: CreateResponseRequest, request: Request, engine: EngineDep
+) -> Response:
+    # Rendering and tokenizing must not stall other streams on the event loop.
+    prepared = await asyncio.to_thread(
+        responses.prepare, engine, body, arrival(request), tenant(request), deadline(request)
+    )
+    record_usage(request, prepared.observer)
+    if body.stream:
+        return sse_response(responses.stream(engine, prepared))
+    return await json_unless_disconnected(request, responses.complete(engine, prepared))

@@ -1,0 +1,210 @@
+"""logit_bias and best_of: what the protocol accepts and refuses, what reaches the engine,
+and the vLLM glue that lets logit_bias run with speculation (no engine started)."""
+
+from types import MappingProxyType, SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+
+from server.engine import autopilot_scheduler, logit_bias
+from server.engine.base import SamplingOptions
+from server.engine.vllm_engine import EngineConfig, VllmEngine
+from server.protocol.common import MAX_LOGIT_BIAS
+from tests.unit.scripted_engine import ScriptedEngine
+
+USER = [{"role": "user", "content": "hi"}]
+ENDPOINTS = [
+    ("/v1/completions", {"prompt": "x"}),
+    ("/v1/chat/completions", {"messages": USER}),
+]
+
+
+def _body(path_extra: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    return {"model": "scripted", **path_extra, **fields}
+
+
+def _error(response: httpx.Response) -> dict[str, Any]:
+    assert response.status_code == 400, response.text
+    error: dict[str, Any] = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    return error
+
+
+@pytest.mark.parametrize(("path", "extra"), ENDPOINTS)
+@pytest.mark.parametrize(
+    ("bias", "words"),
+    [
+        ({"abc": 1}, "'abc' is not a token id"),
+        ({"-1": 1}, "'-1' is not a token id"),
+        ({"007": 1}, "'007' is not a token id"),
+        ({"5": 100.5}, "less than or equal to 100"),
+        ({"5": -101}, "greater than or equal to -100"),
+        ({"5": "ban"}, "valid number"),
+        ({str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}, f"at most {MAX_LOGIT_BIAS}"),
+        ("5", "valid dictionary"),
+        # The scripted engine's vocabulary has 1000 tokens.
+        ({"1000": -100}, "below the vocabulary size 1000"),
+    ],
+)
+async def test_invalid_logit_bias_is_a_400_naming_it_before_any_stream(
+    client: httpx.AsyncClient, path: str, extra: dict[str, Any], bias: object, words: str
+) -> None:
+    response = await client.post(path, json=_body(extra, logit_bias=bias, stream=True))
+    error = _error(response)
+    assert error["param"] == "logit_bias"
+    assert words in error["message"]
+
+
+@pytest.mark.parametrize(("path", "extra"), ENDPOINTS)
+async def test_a_ban_reaches_the_engine_and_keeps_the_token_out(
+    client: httpx.AsyncClient, engine: ScriptedEngine, path: str, extra: dict[str, Any]
+) -> None:
+    # The script's second word (" world") is token 2.
+    body = _body(extra, logit_bias={"2": -100, "999": 100, "0": 0.5}, max_tokens=3)
+    response = await client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    text = choice["text"] if "text" in choice else choice["message"]["content"]
+    assert text == "Hello! How"
+    sampling = engine.requests[-1].sampling
+    assert sampling.logit_bias == {2: -100.0, 999: 100.0, 0: 0.5}
+    assert isinstance(sampling.logit_bias, MappingProxyType)
+
+
+async def test_an_empty_or_null_logit_bias_is_no_bias(
+    client: httpx.AsyncClient, engine: ScriptedEngine
+) -> None:
+    for bias in ({}, None):
+        response = await client.post(
+            "/v1/completions", json=_body({"prompt": "x"}, logit_bias=bias)
+        )
+        assert response.status_code == 200, response.text
+        assert engine.requests[-1].sampling.logit_bias is None
+
+
+@pytest.mark.parametrize(("best_of", "n"), [(3, 1), (1, 2), (2, 3)])
+async def test_best_of_other_than_n_is_a_400_naming_it(
+    client: httpx.AsyncClient, best_of: int, n: int
+) -> None:
+    body = _body({"prompt": "x"}, best_of=best_of, n=n, temperature=1)
+    error = _error(await client.post("/v1/completions", json=body))
+    assert error["param"] == "best_of"
+    assert f"best_of must equal n ({n})" in error["message"]
+
+
+@pytest.mark.parametrize(("best_of", "n"), [(1, 1), (2, 2), (None, 2)])
+async def test_best_of_equal_to_n_changes_nothing(
+    client: httpx.AsyncClient, best_of: int | None, n: int
+) -> None:
+    body = _body({"prompt": "x"}, best_of=best_of, n=n, temperature=1)
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == n
+
+
+async def test_chat_has_no_best_of(client: httpx.AsyncClient) -> None:
+    response = await client.post("/v1/chat/completions", json=_body({"messages": USER}, best_of=1))
+    error = _error(response)
+    assert error["param"] == "best_of"
+
+
+def _config() -> EngineConfig:
+    return EngineConfig(
+        model="m", served_model_name="m", draft_model="d", speculative_method="draft_model",
+        num_speculative_tokens=3, speculation_max_batch_size=1, max_model_len=None,
+        dtype="float32", seed=0, kv_cache_gib=2, max_num_seqs=16,
+    )  # fmt: skip
+
+
+def test_the_bias_reaches_vllm_sampling_params() -> None:
+    options = SamplingOptions(max_tokens=4, logit_bias=MappingProxyType({5: -100.0}))
+    params = VllmEngine(_config())._sampling_params(options)
+    assert params.logit_bias == {5: -100.0}
+    assert VllmEngine(_config())._sampling_params(SamplingOptions(max_tokens=4)).logit_bias is None
+
+
+def test_the_pinned_vllm_has_the_hooks() -> None:
+    assert logit_bias.missing_hooks() is None
+
+
+def test_a_plugin_allowlist_without_ours_keeps_vllms_refusal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("VLLM_PLUGINS", "specserve_cpu_expand_fix")
+    assert logit_bias.missing_hooks() == (
+        f"the {logit_bias.PLUGIN_NAME} plugin (VLLM_PLUGINS leaves it out)"
+    )
+
+
+def test_the_request_check_lets_logit_bias_through_and_still_refuses_min_p(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+
+    # Restored after the test: the patch is process-wide.
+    monkeypatch.setattr(
+        SamplingParams, "_validate_spec_decode", SamplingParams._validate_spec_decode
+    )
+    speculative_config: Any = object()  # the check only asks whether there is one
+    biased = SamplingParams(max_tokens=4, logit_bias={5: -100.0})
+    with pytest.raises(VLLMValidationError):
+        biased._validate_spec_decode(speculative_config)
+    logit_bias.allow_in_request_checks()
+    logit_bias.allow_in_request_checks()  # once per process, however often engines start
+    biased._validate_spec_decode(speculative_config)
+    assert biased.logit_bias == {5: -100.0}
+    with pytest.raises(VLLMValidationError, match="min_p"):
+        SamplingParams(max_tokens=4, min_p=0.1, logit_bias={5: 1.0})._validate_spec_decode(
+            speculative_config
+        )
+    assert logit_bias.missing_hooks() is None  # the check sees through the patch
+
+
+def test_the_worker_builds_the_logit_bias_processor_under_speculation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
+    from vllm.v1.worker import gpu_model_runner
+
+    monkeypatch.setattr(gpu_model_runner, "build_logitsprocs", gpu_model_runner.build_logitsprocs)
+
+    def built(speculative_config: object) -> list[type]:
+        config = SimpleNamespace(speculative_config=speculative_config)
+        processors = gpu_model_runner.build_logitsprocs(config, torch.device("cpu"), False, False)
+        return [type(p) for p in processors.non_argmax_invariant]
+
+    assert LogitBiasLogitsProcessor not in built(object())  # vLLM's own choice
+    monkeypatch.delenv(logit_bias.ENABLED_ENV, raising=False)
+    logit_bias.install()  # a process specserve did not start: left alone
+    assert LogitBiasLogitsProcessor not in built(object())
+    monkeypatch.setenv(logit_bias.ENABLED_ENV, "1")
+    logit_bias.install()
+    logit_bias.install()
+    assert built(object()).count(LogitBiasLogitsProcessor) == 1
+    assert logit_bias.missing_hooks() is None
+
+
+def _scheduler(mode: str, biased: set[str]) -> Any:
+    scheduler = object.__new__(autopilot_scheduler.AutopilotScheduler)
+    scheduler._mode = mode
+    scheduler._max_batch = None
+    scheduler._script = iter([2, 2])
+    scheduler.num_spec_tokens = 3
+    scheduler.requests = {
+        r: SimpleNamespace(
+            sampling_params=SimpleNamespace(logit_bias={5: -100.0} if r in biased else None)
+        )
+        for r in ("a", "b")
+    }
+    return scheduler
+
+
+@pytest.mark.parametrize(("mode", "k"), [("fixed", 3), ("script", 2)])
+def test_a_step_holding_a_biased_request_proposes_no_drafts(mode: str, k: int) -> None:
+    scheduler = _scheduler(mode, biased={"b"})
+    assert scheduler._decide(["a"], {}).k == k
+    decision = scheduler._decide(["a", "b"], {})
+    assert (decision.k, decision.reason) == (0, "logit_bias")
