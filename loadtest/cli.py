@@ -65,6 +65,8 @@ def _pair(parser: argparse.ArgumentParser) -> None:
 
 
 BODY_HELP = "JSON object merged into every request body (e.g. a per-request option)"
+# What the runner sets itself: a body may not change what is measured or how.
+RUNNER_FIELDS = {"model", "prompt", "messages", "suffix", "stream", "stream_options", "max_tokens"}
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -129,6 +131,10 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--num-requests must be at least --rounds")
     if args.warmup < 0:
         parser.error("--warmup cannot be negative")
+    for flag in ("body", "a_body", "b_body"):
+        taken = sorted(RUNNER_FIELDS & set(getattr(args, flag, None) or {}))
+        if taken:
+            parser.error(f"--{flag.replace('_', '-')} may not set {', '.join(taken)}")
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:

@@ -270,7 +270,7 @@ def _serve(
 
 def _run_paired(args: argparse.Namespace, engine_extra: list[str]) -> None:
     record = _start_recording(args)
-    server = _serve(args, engine_extra, record, "specserve-auto", ["--speculation", "auto"])
+    server = _serve(args, engine_extra, record, "specserve-auto", _flags("auto", args.max_num_seqs))
     url = f"http://127.0.0.1:{PORT}"
     try:
         for workload in args.workloads:

@@ -21,6 +21,7 @@ class JsonFormat:
     The engine's grammar constrains every sampled and every verified token to it."""
 
     schema: dict[str, Any] | None = None
+    param: str = "response_format"  # the request field the constraint came from, for errors
 
 
 @dataclass(frozen=True)
@@ -46,16 +47,6 @@ class SamplingOptions:
 
 
 @dataclass(frozen=True)
-class ToolCallFragment:
-    """Part of a tool call a streaming reply is writing: the call's place among the
-    reply's calls, its name the first time it appears, then pieces of its JSON arguments."""
-
-    index: int
-    name: str | None = None
-    arguments: str = ""
-
-
-@dataclass(frozen=True)
 class ParsedReply:
     """A finished reply split into its text and its tool calls (name, JSON arguments)."""
 
@@ -68,8 +59,9 @@ class ToolCallParser(Protocol):
 
     def parse(self, text: str) -> ParsedReply: ...
 
-    def feed(self, text: str, token_ids: list[int]) -> tuple[str, list[ToolCallFragment]]:
-        """The next streamed delta: the text to send as content and the call fragments."""
+    def feed(self, text: str, token_ids: list[int]) -> str:
+        """The next streamed delta: the text to send now as content (none of a call,
+        and a possible call's start held back)."""
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ import copy
 import inspect
 import logging
 import os
+from importlib.metadata import entry_points
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,9 @@ def missing_hooks() -> str | None:
     build = getattr(build, "specserve_original", build)
     if tuple(inspect.signature(build).parameters) != _BUILD_PARAMETERS:
         return f"build_logitsprocs({', '.join(_BUILD_PARAMETERS)})"
+    if PLUGIN_NAME not in {e.name for e in entry_points(group="vllm.general_plugins")}:
+        # An install older than this module: the worker would never build the processor.
+        return f"the {PLUGIN_NAME} plugin (reinstall specserve: make install)"
     allowed = os.environ.get("VLLM_PLUGINS")
     if allowed is not None and PLUGIN_NAME not in allowed.split(","):
         return f"the {PLUGIN_NAME} plugin (VLLM_PLUGINS leaves it out)"

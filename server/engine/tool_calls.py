@@ -4,12 +4,13 @@ A model writes its calls in its own format (Qwen2.5's hermes style:
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`); `--tool-call-parser`
 names the vLLM parser that reads it. This module wraps one parser instance per
 choice behind the engine contract's `ToolCallParser`: `parse` for a finished
-reply, `feed` for a stream (the parser keeps what it has sent between deltas).
+reply, `feed` for the text a stream may send before any call (the parser holds
+back what could start one).
 """
 
 from typing import Any
 
-from server.engine.base import ParsedReply, ToolCallFragment
+from server.engine.base import ParsedReply
 
 
 def parser_class(name: str) -> Any:
@@ -39,21 +40,12 @@ class VllmToolCallParser:
         calls = [(call.function.name, call.function.arguments) for call in extracted.tool_calls]
         return ParsedReply(extracted.content or None, calls)
 
-    def feed(self, text: str, token_ids: list[int]) -> tuple[str, list[ToolCallFragment]]:
+    def feed(self, text: str, token_ids: list[int]) -> str:
         previous_text, previous_ids = self._text, self._token_ids
         self._text += text
         self._token_ids = [*previous_ids, *token_ids]
+        # The parser's own call deltas are not used: calls go out whole, once parsed.
         message = self._parser.extract_tool_calls_streaming(
             previous_text, self._text, text, previous_ids, self._token_ids, token_ids, None
         )
-        if message is None:
-            return "", []
-        fragments = [
-            ToolCallFragment(
-                call.index,
-                call.function.name if call.function else None,
-                (call.function.arguments or "") if call.function else "",
-            )
-            for call in message.tool_calls
-        ]
-        return message.content or "", fragments
+        return (message.content or "") if message is not None else ""

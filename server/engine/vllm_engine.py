@@ -373,6 +373,17 @@ class VllmEngine:
 
         if self._llm is None:
             raise EngineUnavailableError("the engine is not running")
+        if (
+            request.sampling.max_draft_tokens is not None
+            and self._config.speculative_method is not None
+            and self._feed is None
+        ):
+            # Only specserve's scheduler reads the cap; vLLM's would draft regardless.
+            raise InvalidRequestError(
+                "speculation.max_draft_tokens needs the speculation autopilot's scheduler, "
+                "which this vLLM version lacks (see the startup log)",
+                param="speculation",
+            )
         params = self._sampling_params(request.sampling)
         vllm_config = self._llm.vllm_config
         try:
@@ -385,7 +396,8 @@ class VllmEngine:
         except (ValueError, VLLMClientError) as exc:
             param = getattr(exc, "parameter", None)
             if param is None and request.sampling.json_format is not None:
-                param = "response_format"  # what vLLM checks beyond our protocol: the schema
+                # What vLLM checks beyond our protocol: the schema, and where it came from.
+                param = request.sampling.json_format.param
             raise InvalidRequestError(str(exc), param=param) from exc
 
     def _sampling_params(self, options: SamplingOptions) -> Any:

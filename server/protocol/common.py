@@ -106,6 +106,11 @@ class SpeculationOptions(StrictRequest):
     max_draft_tokens: int = Field(ge=0, le=64)
 
 
+def draft_cap(options: SpeculationOptions | None) -> int | None:
+    """A request's cap on its drafts per step, if it set one."""
+    return None if options is None else options.max_draft_tokens
+
+
 class SamplingFields(StrictRequest):
     """Fields common to /v1/completions and /v1/chat/completions."""
 
@@ -146,9 +151,6 @@ class SamplingFields(StrictRequest):
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-
-    def max_draft_tokens(self) -> int | None:
-        return None if self.speculation is None else self.speculation.max_draft_tokens
 
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage

@@ -24,6 +24,7 @@ from server.protocol.common import (
     MAX_TOOLS,
     JsonSchemaFormat,
     ResponseFormat,
+    SpeculationOptions,
     SpeculationSummary,
     StrictRequest,
     check_tool_choice,
@@ -190,6 +191,7 @@ class CreateResponseRequest(StrictRequest):
         Field(max_length=16),
     ] = Field(default_factory=dict)
     user: str | None = None
+    speculation: SpeculationOptions | None = None  # specserve's extension, as on chat
 
     @field_validator("input", mode="wrap")
     @classmethod

@@ -10,7 +10,6 @@ from server.engine.base import (
     ParsedReply,
     SamplingOptions,
     TokenLogprob,
-    ToolCallFragment,
 )
 from server.metrics import RequestObserver
 from server.protocol.chat import (
@@ -30,6 +29,7 @@ from server.protocol.chat import (
     ToolCallFunctionDelta,
     TopLogprob,
 )
+from server.protocol.common import draft_cap
 from server.serving.common import (
     check_model,
     generate_all,
@@ -43,7 +43,15 @@ from server.serving.common import (
     usage,
     validate_all,
 )
-from server.serving.tools import Function, ReplyCalls, ToolPlan, new_call_id, plan
+from server.serving.tools import (
+    Function,
+    ReplyCalls,
+    ToolCallFragment,
+    ToolPlan,
+    new_call_id,
+    parse_reply,
+    plan,
+)
 
 ENDPOINT = "/v1/chat/completions"
 
@@ -95,7 +103,7 @@ def prepare(
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         logit_bias=logit_bias(engine, body),
-        max_draft_tokens=body.max_draft_tokens(),
+        max_draft_tokens=draft_cap(body.speculation),
         json_format=(tools.grammar() if tools else None) or json_format(body.response_format),
     )
     chat_id = new_id("chatcmpl")
@@ -139,10 +147,7 @@ async def complete(engine: Engine, prepared: PreparedChat) -> ChatCompletionResp
     wants_logprobs = prepared.request.sampling.logprobs is not None
     choices = []
     for index, parts in sorted(texts.items()):
-        text = "".join(parts)
-        parsed = ParsedReply(text, [])
-        if prepared.tools is not None:
-            parsed = ReplyCalls.start(engine, prepared.tools).parse(text)
+        parsed = parse_reply(engine, prepared.tools, "".join(parts))
         calls = [
             ToolCall(id=new_call_id(), function=ToolCallFunction(name=name, arguments=arguments))
             for name, arguments in parsed.calls
@@ -161,7 +166,9 @@ async def complete(engine: Engine, prepared: PreparedChat) -> ChatCompletionResp
         model=prepared.model,
         choices=choices,
         usage=usage(observer),
-        speculation=speculation_summary(engine, observer),
+        speculation=speculation_summary(
+            engine, observer, prepared.request.sampling.max_draft_tokens
+        ),
     )
 
 
@@ -234,4 +241,10 @@ async def stream(engine: Engine, prepared: PreparedChat) -> AsyncIterator[str]:
                 ]
             )
     if prepared.body.include_usage_in_stream():
-        yield chunk([], usage=usage(observer), speculation=speculation_summary(engine, observer))
+        yield chunk(
+            [],
+            usage=usage(observer),
+            speculation=speculation_summary(
+                engine, observer, prepared.request.sampling.max_draft_tokens
+            ),
+        )

@@ -196,7 +196,9 @@ def usage(observer: RequestObserver) -> Usage:
     )
 
 
-def speculation_summary(engine: Engine, observer: RequestObserver) -> SpeculationSummary:
+def speculation_summary(
+    engine: Engine, observer: RequestObserver, max_draft_tokens: int | None
+) -> SpeculationSummary:
     """What speculation did for this request, from vLLM's per-sequence counts.
 
     When no draft was verified, `reason` says why: "disabled" (no speculation
@@ -204,8 +206,8 @@ def speculation_summary(engine: Engine, observer: RequestObserver) -> Speculatio
     request ran ("not_paying", "batch_too_large", "calibrating", "too_short":
     too few tokens left to pay back the draft catching up on the prompt,
     "logit_bias": the request or a neighbour carried one, which drafts must not
-    reach, "requested_off": `speculation.max_draft_tokens` 0 on every request of
-    its steps), or "too_short" also when the output ended before a draft could be
+    reach), "requested_off" (the request's `speculation.max_draft_tokens` is 0), or
+    "too_short" also when the output ended before a draft could be
     verified.
     """
     config = engine.info().speculation
@@ -235,7 +237,9 @@ def speculation_summary(engine: Engine, observer: RequestObserver) -> Speculatio
         mean_acceptance_length=1 + accepted / drafts if drafts else None,
         steps_by_k={str(k): n for k, n in sorted(steps_by_k.items())},
     )
-    if not drafts:
+    if not drafts and max_draft_tokens == 0:
+        summary.reason = "requested_off"  # whatever its neighbours' steps did
+    elif not drafts:
         reasons = Counter(s.idle_reason for s in stats if s.idle_reason is not None)
         summary.reason = reasons.most_common(1)[0][0] if reasons else "too_short"
     return summary

@@ -12,6 +12,7 @@ from server.engine.base import (
 )
 from server.errors import InvalidRequestError
 from server.metrics import RequestObserver
+from server.protocol.common import draft_cap
 from server.protocol.completions import (
     CompletionChoice,
     CompletionLogprobs,
@@ -81,7 +82,7 @@ def prepare(
             frequency_penalty=body.frequency_penalty,
             json_format=json_format(body.response_format),
             logit_bias=bias,
-            max_draft_tokens=body.max_draft_tokens(),
+            max_draft_tokens=draft_cap(body.speculation),
         )
         requests.append(GenerationRequest(f"{completion_id}-{position}", token_ids, sampling))
         if body.echo:
@@ -178,7 +179,9 @@ async def complete(engine: Engine, prepared: PreparedCompletion) -> CompletionRe
         model=prepared.model,
         choices=choices.final(),
         usage=usage(observer),
-        speculation=speculation_summary(engine, observer),
+        speculation=speculation_summary(
+            engine, observer, prepared.requests[0].sampling.max_draft_tokens
+        ),
     )
 
 
@@ -206,4 +209,10 @@ async def stream(engine: Engine, prepared: PreparedCompletion) -> AsyncIterator[
             if fragment.text or delta.token_ids or fragment.finish_reason is not None:
                 yield chunk([fragment])
     if prepared.body.include_usage_in_stream():
-        yield chunk([], usage=usage(observer), speculation=speculation_summary(engine, observer))
+        yield chunk(
+            [],
+            usage=usage(observer),
+            speculation=speculation_summary(
+                engine, observer, prepared.requests[0].sampling.max_draft_tokens
+            ),
+        )

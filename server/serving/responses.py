@@ -22,12 +22,11 @@ from pydantic import BaseModel
 from server.engine.base import (
     Engine,
     GenerationRequest,
-    ParsedReply,
     SamplingOptions,
-    ToolCallFragment,
 )
 from server.errors import APIError, InvalidRequestError
 from server.metrics import RequestObserver
+from server.protocol.common import draft_cap
 from server.protocol.responses import (
     CreateResponseRequest,
     FunctionToolChoice,
@@ -51,7 +50,15 @@ from server.serving.common import (
     sse_stream,
     validate_all,
 )
-from server.serving.tools import Function, ReplyCalls, ToolPlan, new_call_id, plan
+from server.serving.tools import (
+    Function,
+    ReplyCalls,
+    ToolCallFragment,
+    ToolPlan,
+    new_call_id,
+    parse_reply,
+    plan,
+)
 
 ENDPOINT = "/v1/responses"
 Finished = Literal["completed", "incomplete"]
@@ -112,6 +119,7 @@ def prepare(
         top_p=body.top_p,
         seed=body.seed,
         json_format=(tools.grammar() if tools else None) or json_format(body.response_format()),
+        max_draft_tokens=draft_cap(body.speculation),
     )
     response_id = new_id("resp", "_")
     request = GenerationRequest(response_id, token_ids, sampling)
@@ -159,7 +167,11 @@ def _response(
         top_p=body.top_p,
         usage=usage if done else None,
         user=body.user,
-        speculation=speculation_summary(engine, observer) if done else None,
+        speculation=speculation_summary(
+            engine, observer, prepared.request.sampling.max_draft_tokens
+        )
+        if done
+        else None,
     )
 
 
@@ -181,10 +193,7 @@ async def complete(engine: Engine, prepared: PreparedResponse) -> ResponseObject
         for delta in output.choices:
             parts.append(delta.text)
             finish = delta.finish_reason or finish
-    text = "".join(parts)
-    parsed = ParsedReply(text, [])
-    if prepared.tools is not None:
-        parsed = ReplyCalls.start(engine, prepared.tools).parse(text)
+    parsed = parse_reply(engine, prepared.tools, "".join(parts))
     status = _status(finish)
     # Only the last item can have been cut off.
     items: list[OutputItem] = []

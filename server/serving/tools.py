@@ -15,10 +15,10 @@ calls, whole or streamed.
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from server.engine.base import Engine, JsonFormat, ParsedReply, ToolCallFragment, ToolCallParser
+from server.engine.base import Engine, JsonFormat, ParsedReply, ToolCallParser
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -52,7 +52,7 @@ class ToolPlan:
     def grammar(self) -> JsonFormat | None:
         if self.mode == "named":
             chosen = next(f for f in self.functions if f.name == self.named)
-            return JsonFormat(chosen.parameters or ANY_OBJECT)
+            return JsonFormat(chosen.parameters or ANY_OBJECT, param="tools")
         if self.mode == "required":
             calls = [
                 {
@@ -69,7 +69,7 @@ class ToolPlan:
             schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
             if not self.parallel:
                 schema["maxItems"] = 1
-            return JsonFormat(schema)
+            return JsonFormat(schema, param="tools")
         return None
 
 
@@ -85,6 +85,16 @@ def plan(
     return ToolPlan("required" if choice == "required" else "parse", functions, parallel)
 
 
+@dataclass(frozen=True)
+class ToolCallFragment:
+    """Part of a streamed call: the call's place among the reply's calls, its name
+    the first time it appears, then pieces of its JSON arguments."""
+
+    index: int
+    name: str | None = None
+    arguments: str = ""
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -98,16 +108,28 @@ def _required_calls(text: str) -> ParsedReply:
     return ParsedReply(None, calls)
 
 
+def parse_reply(engine: Engine, tool_plan: ToolPlan | None, text: str) -> ParsedReply:
+    """A whole reply's text and calls; without tools, all text."""
+    if tool_plan is None:
+        return ParsedReply(text, [])
+    return ReplyCalls.start(engine, tool_plan).parse(text)
+
+
 @dataclass
 class ReplyCalls:
-    """One choice's calls: `parse` for a whole reply; `feed` each streamed delta,
-    then `close` with the whole text for what the stream still owes."""
+    """One choice's calls: `parse` for a whole reply; for a stream, `feed` each delta,
+    then `close` with the whole text for the rest.
+
+    A named function's arguments stream as they come: the grammar makes them valid.
+    Calls a parser reads (`auto`) or the `required` list go out whole at `close`,
+    taken from `parse`: a call cut off by max_tokens or written as broken JSON is
+    no call in the whole reply, so it must not have been streamed as one. The
+    text before the calls streams as it comes."""
 
     plan: ToolPlan
     parser: ToolCallParser | None
-    _names_sent: set[int] = field(default_factory=set)
-    _arguments_sent: dict[int, str] = field(default_factory=dict)
     _content_sent: str = ""
+    _named_started: bool = False
 
     @classmethod
     def start(cls, engine: Engine, tool_plan: ToolPlan) -> "ReplyCalls":
@@ -126,43 +148,26 @@ class ReplyCalls:
 
     def feed(self, text: str, token_ids: list[int]) -> tuple[str, list[ToolCallFragment]]:
         if self.plan.mode == "named":
-            assert self.plan.named is not None
-            return "", self._sent([ToolCallFragment(0, self.plan.named, text)])
+            name = None if self._named_started else self.plan.named
+            self._named_started = True
+            return "", [ToolCallFragment(0, name, text)]
         if self.plan.mode == "required":
-            return "", []  # the array is read whole at the end
+            return "", []
         assert self.parser is not None
-        content, fragments = self.parser.feed(text, token_ids)
+        content = self.parser.feed(text, token_ids)
         self._content_sent += content
-        if not self.plan.parallel:
-            fragments = [f for f in fragments if f.index == 0]
-        return content, self._sent(fragments)
+        return content, []
 
     def close(self, text: str) -> tuple[str, list[ToolCallFragment], ParsedReply]:
-        """What the stream still owes after the last delta, so that the streamed
-        pieces add up to `parse(text)` (a parser may hold back a partial tag)."""
+        """What the stream still owes after the last delta, and the whole reply."""
         parsed = self.parse(text)
+        if self.plan.mode == "named":
+            fragments = [] if self._named_started else [ToolCallFragment(0, self.plan.named, text)]
+            return "", fragments, parsed
         content = ""
         if not parsed.calls and text.startswith(self._content_sent):
-            content = text[len(self._content_sent) :]
-        fragments = []
-        for index, (name, arguments) in enumerate(parsed.calls):
-            sent = self._arguments_sent.get(index, "")
-            rest = arguments[len(sent) :] if arguments.startswith(sent) else ""
-            if index not in self._names_sent or rest:
-                fragments.append(ToolCallFragment(index, name, rest))
-        return content, self._sent(fragments), parsed
-
-    def _sent(self, fragments: list[ToolCallFragment]) -> list[ToolCallFragment]:
-        """Record what goes out; a call's name is sent once, with its first piece."""
-        out = []
-        for fragment in fragments:
-            name = fragment.name if fragment.index not in self._names_sent else None
-            if name is None and fragment.index not in self._names_sent:
-                continue  # arguments before the name: the parser sends the name first
-            self._names_sent.add(fragment.index)
-            self._arguments_sent[fragment.index] = (
-                self._arguments_sent.get(fragment.index, "") + fragment.arguments
-            )
-            if name is not None or fragment.arguments:
-                out.append(ToolCallFragment(fragment.index, name, fragment.arguments))
-        return out
+            content = text[len(self._content_sent) :]  # what the parser held back
+        calls = [
+            ToolCallFragment(i, name, arguments) for i, (name, arguments) in enumerate(parsed.calls)
+        ]
+        return content, calls, parsed

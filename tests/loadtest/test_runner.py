@@ -199,6 +199,9 @@ def test_bad_jsonl_lines_are_refused_with_their_place(tmp_path: Path, line: str)
         ["compare", "--a", "http://x", "--b", "http://y", "--num-requests", "1"],
         ["sweep", "--a", "http://x", "--b", "http://y"],
         ["run", "--url", "http://x", "--concurrency", "0"],
+        ["run", "--url", "http://x", "--body", "[1]"],
+        ["run", "--url", "http://x", "--body", '{"stream": false}'],
+        ["compare", "--a", "http://x", "--b", "http://x", "--b-body", '{"max_tokens": 9}'],
     ],
 )
 def test_bad_command_lines_exit_with_usage(argv: list[str]) -> None:

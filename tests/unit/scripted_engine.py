@@ -21,7 +21,6 @@ from server.engine.base import (
     SpeculationInfo,
     SpeculationStats,
     TokenLogprob,
-    ToolCallFragment,
 )
 from server.errors import APIError, InvalidRequestError
 
@@ -49,9 +48,9 @@ class ScriptedToolCallParser:
             content or None, [(c["name"], json.dumps(c["arguments"])) for c in calls]
         )
 
-    def feed(self, text: str, token_ids: list[int]) -> tuple[str, list[ToolCallFragment]]:
+    def feed(self, text: str, token_ids: list[int]) -> str:
         self.text += text
-        return ("", []) if "<call>" in self.text else (text, [])
+        return "" if "<call>" in self.text else text
 
 
 class ScriptedEngine:

@@ -119,6 +119,8 @@ async def test_a_request_s_draft_cap_reaches_the_engine(
     assert (await client.post("/v1/chat/completions", json=chat)).status_code == 200
     completion = {"model": "scripted", "prompt": "x", **cap}
     assert (await client.post("/v1/completions", json=completion)).status_code == 200
+    response = {"model": "scripted", "input": "x", **cap}
+    assert (await client.post("/v1/responses", json=response)).status_code == 200
     plain = {"model": "scripted", "prompt": "x"}
     assert (await client.post("/v1/completions", json=plain)).status_code == 200
-    assert [r.sampling.max_draft_tokens for r in engine.requests] == [0, 0, None]
+    assert [r.sampling.max_draft_tokens for r in engine.requests] == [0, 0, 0, None]

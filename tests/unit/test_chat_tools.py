@@ -75,7 +75,7 @@ async def test_named_function_is_held_to_its_schema(
     engine.script = ['{"city": ', '"Rome"}']
     choice = {"type": "function", "function": {"name": "get_weather"}}
     body = (await chat(client, tool_choice=choice)).json()
-    assert engine.requests[0].sampling.json_format == JsonFormat(CITY)
+    assert engine.requests[0].sampling.json_format == JsonFormat(CITY, param="tools")
     [call] = body["choices"][0]["message"]["tool_calls"]
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
     assert body["choices"][0]["message"]["content"] is None

@@ -248,7 +248,7 @@ async def test_a_named_function_is_held_to_its_schema(
     engine.script = ['{"city": ', '"Rome"}']
     choice = {"type": "function", "name": "get_weather"}
     body = await respond(client, tools=[WEATHER, TIME], tool_choice=choice)
-    assert engine.requests[0].sampling.json_format == JsonFormat(CITY)
+    assert engine.requests[0].sampling.json_format == JsonFormat(CITY, param="tools")
     assert [item["type"] for item in body["output"]] == ["function_call"]
     assert calls(body) == [("get_weather", {"city": "Rome"})]
     assert body["tool_choice"] == choice
