@@ -147,6 +147,7 @@ async def test_errors_reach_the_client_typed(spec_server: RunningServer) -> None
             model="tiny",
             messages=[{"role": "user", "content": "x"}],
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
         )
 
 

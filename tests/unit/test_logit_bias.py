@@ -143,9 +143,11 @@ def test_the_request_check_lets_logit_bias_through_and_still_refuses_min_p(
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
 
-    # Restored after the test: the patch is process-wide.
+    # vLLM's own check, also where an engine started earlier in this process patched it;
+    # the patch is process-wide, so the test restores what was there.
+    check = SamplingParams._validate_spec_decode
     monkeypatch.setattr(
-        SamplingParams, "_validate_spec_decode", SamplingParams._validate_spec_decode
+        SamplingParams, "_validate_spec_decode", getattr(check, "specserve_original", check)
     )
     speculative_config: Any = object()  # the check only asks whether there is one
     biased = SamplingParams(max_tokens=4, logit_bias={5: -100.0})
@@ -169,7 +171,12 @@ def test_the_worker_builds_the_logit_bias_processor_under_speculation(
     from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
     from vllm.v1.worker import gpu_model_runner
 
-    monkeypatch.setattr(gpu_model_runner, "build_logitsprocs", gpu_model_runner.build_logitsprocs)
+    # vLLM's own builder, also where this process loaded our plugin before (engines started
+    # by earlier tests); restored after the test.
+    build = gpu_model_runner.build_logitsprocs
+    monkeypatch.setattr(
+        gpu_model_runner, "build_logitsprocs", getattr(build, "specserve_original", build)
+    )
 
     def built(speculative_config: object) -> list[type]:
         config = SimpleNamespace(speculative_config=speculative_config)
