@@ -157,3 +157,16 @@ async def test_history_with_calls_and_results_reaches_the_template(
         },
         {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
     ]
+
+
+async def test_a_call_cut_off_by_max_tokens_is_text_streamed_and_not(
+    client: httpx.AsyncClient, engine: ScriptedEngine
+) -> None:
+    # The call never closes: the whole reply has no call, so the stream must not send one.
+    engine.script = CALL_WORDS
+    whole = (await chat(client, max_tokens=2)).json()["choices"][0]
+    assert "tool_calls" not in whole["message"] and whole["finish_reason"] == "length"
+    response = await chat(client, max_tokens=2, stream=True)
+    deltas = [c["choices"][0] for c in events(response.text)[:-1]]
+    assert not any(d["delta"].get("tool_calls") for d in deltas)
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == whole["message"]["content"]
