@@ -349,6 +349,12 @@ def _tokens_by_k(rates: list[float], k_max: int) -> list[float]:
     return tokens
 
 
+def _capped(tokens: list[float], k_max: int) -> list[float]:
+    """Expected tokens per step for K = 0..k_max of a request that verifies at most
+    len(tokens) - 1 drafts: K past its cap yields what its cap does."""
+    return [tokens[min(k, len(tokens) - 1)] for k in range(k_max + 1)]
+
+
 def expected_tokens_per_step(rates: list[float], k: int) -> float:
     """1 + sum_{j=1..k} prod_{p<j} rates[p] (bonus token included)."""
     return _tokens_by_k(rates, k)[k]
@@ -414,10 +420,12 @@ class Controller:
         request_ids: list[str],
         draft_behind: Mapping[str, int] | None = None,
         tokens_left: Mapping[str, int] | None = None,
+        draft_caps: Mapping[str, int] | None = None,
     ) -> Decision:
         """K for the next step of these requests. draft_behind: positions each request's draft
         must catch up on if K > 0 (0 when in step); tokens_left: output tokens each may still
-        produce (its max_tokens left). Unknown requests: in step, the horizon left."""
+        produce (its max_tokens left); draft_caps: the most drafts a request asked to verify.
+        Unknown requests: in step, the horizon left, no cap."""
         if self._k_max == 0:
             return Decision(0, dict.fromkeys(request_ids, 0), "disabled", 1.0, False)
         if not request_ids:
@@ -430,18 +438,24 @@ class Controller:
         left = sum(
             min((tokens_left or {}).get(r, _HORIZON_TOKENS), _HORIZON_TOKENS) for r in request_ids
         )
+        caps = {r: min(self._k_max, (draft_caps or {}).get(r, self._k_max)) for r in request_ids}
         tokens = {
-            r: _tokens_by_k(self._acceptance.position_rates(r), self._k_max) for r in request_ids
+            # A capped request gains nothing from drafts past its cap.
+            r: _capped(_tokens_by_k(self._acceptance.position_rates(r), caps[r]), self._k_max)
+            for r in request_ids
         }
         total = [sum(t[k] for t in tokens.values()) for k in range(self._k_max + 1)]
-        throughput = self._throughput(total, batch)
+        # Drafts past a request's cap are not verified: the step is that much cheaper.
+        unverified = [sum(k - min(k, cap) for cap in caps.values()) for k in range(self._k_max + 1)]
+        throughput = self._throughput(total, batch, unverified)
         best = max(range(1, self._k_max + 1), key=throughput.__getitem__)  # ties: fewer drafts
         speedup = throughput[best] / throughput[0]
         paying = speedup >= 1.0 + self._min_gain
         if paying and _pays_back(catch_up, left, throughput[0], throughput[best]):
             self._off_steps = 0
             self._probe_interval = self._base_interval
-            return Decision(best, self._caps(tokens, best, throughput[best]), None, speedup, False)
+            caps = self._caps(tokens, best, throughput[best])
+            return Decision(best, caps, None, speedup, False)
         self._off_steps += 1
         if paying:
             reason = "too_short"
@@ -470,9 +484,20 @@ class Controller:
             batch, catch_up, left, baseline
         )
 
-    def _throughput(self, total: list[float], batch: int) -> list[float]:
-        """Predicted output tokens/s at K = 0..k_max, given expected tokens per step at each."""
-        return [total[k] / self._cost.predict(batch, k) for k in range(self._k_max + 1)]
+    def _throughput(
+        self, total: list[float], batch: int, unverified: list[int] | None = None
+    ) -> list[float]:
+        """Predicted output tokens/s at K = 0..k_max, given expected tokens per step at each
+        and how many of the batch's K drafts each step leaves unverified (capped requests)."""
+        verify = self._cost.verify_seconds_per_token()
+        return [
+            total[k]
+            / max(
+                self._cost.predict(batch, k) - verify * (unverified[k] if unverified else 0),
+                _MIN_STEP_SECONDS,
+            )
+            for k in range(self._k_max + 1)
+        ]
 
     def _could_pay(self, batch: int, catch_up: float, left: float, baseline: float) -> bool:
         """Would speculation pay back this catch-up if every draft were accepted?"""
@@ -490,12 +515,13 @@ class Controller:
         # The draft runs K passes for everyone anyway; what a cap saves is verify time. One more
         # verified draft costs verify_seconds_per_token of the whole batch's time, i.e. that many
         # seconds of batch output; it yields the chance it is accepted (tokens[j] - tokens[j-1],
-        # non-increasing in j, so the first draft that does not pay ends the cap).
+        # non-increasing in j, so the first draft that does not pay ends the cap; past a
+        # request's own cap it yields nothing).
         price = self._cost.verify_seconds_per_token() * throughput
         caps = {}
         for request_id, t in tokens.items():
             cap = 0
-            while cap < k and t[cap + 1] - t[cap] >= price:
+            while cap < k and t[cap + 1] > t[cap] and t[cap + 1] - t[cap] >= price:
                 cap += 1
             caps[request_id] = cap
         return caps

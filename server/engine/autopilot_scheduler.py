@@ -124,7 +124,10 @@ class AutopilotScheduler(Scheduler):
         if not request_ids:
             return output
         behind = self._draft_behind(output)
-        decision = self._with_request_caps(self._decide(request_ids, behind), request_ids)
+        caps = self._request_caps(request_ids)
+        decision = self._with_request_caps(
+            self._decide(request_ids, behind, caps), request_ids, caps
+        )
         output.num_spec_tokens_to_schedule = decision.k
         self._caught_up = sum(behind.values()) if decision.k else 0
         self._decision = decision
@@ -133,6 +136,10 @@ class AutopilotScheduler(Scheduler):
             self._zero_steps_by_reason[decision.reason] += 1
         self._scheduled_at = time.perf_counter()
         return output
+
+    def _request_caps(self, request_ids: list[str]) -> dict[str, int]:
+        """The requests that set their own cap on drafts, and the cap."""
+        return {r: c for r in request_ids if (c := _draft_cap(self.requests[r])) is not None}
 
     def _draft_behind(self, output: Any) -> dict[str, int]:
         """Positions each scheduled request's draft would have to catch up on this step
@@ -155,7 +162,9 @@ class AutopilotScheduler(Scheduler):
             if request is not None:
                 self._draft_seen[request_id] = request.num_computed_tokens
 
-    def _decide(self, request_ids: list[str], behind: dict[str, int]) -> Decision:
+    def _decide(
+        self, request_ids: list[str], behind: dict[str, int], caps: dict[str, int]
+    ) -> Decision:
         if any(_has_logit_bias(self.requests[r]) for r in request_ids):
             # vLLM's rejection sampler does not add logit_bias at verified draft positions, so
             # no draft may reach a biased request: nothing is proposed at the end of its steps,
@@ -181,13 +190,14 @@ class AutopilotScheduler(Scheduler):
             r: max(1, (self.requests[r].max_tokens or 1) - self.requests[r].num_output_tokens)
             for r in request_ids
         }
-        return self._controller.choose(request_ids, behind, tokens_left)
+        return self._controller.choose(request_ids, behind, tokens_left, caps)
 
-    def _with_request_caps(self, decision: Decision, request_ids: list[str]) -> Decision:
-        """Each request's own cap on top of the step's decision. The step's K is the most
-        any request may take, so a step whose requests all ask for none idles the draft.
-        (The controller prices the batch as if every request could take K.)"""
-        caps = {r: c for r in request_ids if (c := _draft_cap(self.requests[r])) is not None}
+    def _with_request_caps(
+        self, decision: Decision, request_ids: list[str], caps: dict[str, int]
+    ) -> Decision:
+        """Each request's own cap on top of the step's decision (in every mode; the controller
+        also prices the caps). The step's K is the most any request may take, so a step whose
+        requests all ask for none idles the draft."""
         if not caps or decision.k == 0:
             return decision
         per_request = dict(decision.per_request_k)

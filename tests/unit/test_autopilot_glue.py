@@ -6,6 +6,7 @@ import logging
 import os
 from collections import Counter
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
@@ -160,30 +161,35 @@ def _capped_scheduler(caps: dict[str, int | None]) -> autopilot_scheduler.Autopi
 STEP_AT_3 = autopilot_scheduler.Decision(3, {"a": 2}, None, 1.3, False)
 
 
+def _capped(scheduler: Any, decision: Any) -> Any:
+    """The decision for requests "a" and "b" with their own caps applied, as schedule() does."""
+    return scheduler._with_request_caps(decision, ["a", "b"], scheduler._request_caps(["a", "b"]))
+
+
 def test_requests_without_a_cap_keep_the_step_s_decision() -> None:
     scheduler = _capped_scheduler({"a": None, "b": None})
-    assert scheduler._with_request_caps(STEP_AT_3, ["a", "b"]) == STEP_AT_3
+    assert _capped(scheduler, STEP_AT_3) == STEP_AT_3
 
 
 def test_a_step_whose_requests_all_ask_for_no_drafts_idles_the_draft() -> None:
     scheduler = _capped_scheduler({"a": 0, "b": 0})
-    decision = scheduler._with_request_caps(STEP_AT_3, ["a", "b"])
+    decision = _capped(scheduler, STEP_AT_3)
     assert (decision.k, decision.per_request_k, decision.reason) == (0, {}, "requested_off")
 
 
 def test_one_request_off_leaves_its_neighbour_speculating() -> None:
     scheduler = _capped_scheduler({"a": None, "b": 0})
-    decision = scheduler._with_request_caps(STEP_AT_3, ["a", "b"])
+    decision = _capped(scheduler, STEP_AT_3)
     # "a" keeps the controller's own cap of 2, so the draft proposes no more than 2.
     assert (decision.k, decision.per_request_k) == (2, {"a": 2, "b": 0})
     uncapped = autopilot_scheduler.Decision(3, {}, None, 1.3, False)
-    decision = scheduler._with_request_caps(uncapped, ["a", "b"])
+    decision = _capped(scheduler, uncapped)
     assert (decision.k, decision.per_request_k) == (3, {"b": 0})
 
 
 def test_the_step_proposes_no_more_than_the_largest_cap() -> None:
     scheduler = _capped_scheduler({"a": 1, "b": 2})
-    decision = scheduler._with_request_caps(STEP_AT_3, ["a", "b"])
+    decision = _capped(scheduler, STEP_AT_3)
     assert (decision.k, decision.per_request_k) == (2, {"a": 1, "b": 2})
     idle = autopilot_scheduler.Decision(0, {}, "not_paying", 1.0, False)
-    assert scheduler._with_request_caps(idle, ["a", "b"]) == idle
+    assert _capped(scheduler, idle) == idle

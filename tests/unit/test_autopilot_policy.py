@@ -563,3 +563,26 @@ def test_beyond_the_measured_batch_sizes_the_fit_sets_the_slope() -> None:
         cost.observe(StepRecord(1.1 * CPU.seconds(3, 6, 2), 3, 6, 2, 0))
     assert cost.predict(8, 2) == pytest.approx(CPU.seconds(8, 16, 2), rel=0.05)
     assert cost.predict(8, 1) < cost.predict(8, 2) < cost.predict(8, 3)
+
+
+# 9. Requests that cap their own drafts.
+
+
+def test_requests_capped_at_zero_are_priced_as_gaining_nothing() -> None:
+    """Four code requests pay for speculation; with three of them asking for no drafts, a
+    step serves one request's drafts while the draft still runs for all four, and that does
+    not pay: the controller must price the caps, not four requests verifying K each."""
+    cost = CostModel()
+    for step in cycle_steps(CHEAP_VERIFY, 4, random.Random(0), noise=0.0):
+        cost.observe(step)
+    controller = Controller(K_MAX, cost, tracker_with_acceptance(0.9, "code"))
+    ids = ["code", "off-1", "off-2", "off-3"]
+    assert controller.choose(ids).k > 0
+
+    def true_speedup(k: int) -> float:  # one request accepting 0.9 of drafts, three at K = 0
+        tokens = 3 + sum(0.9**j for j in range(k + 1))
+        return tokens / CHEAP_VERIFY.seconds(4, k, k) * CHEAP_VERIFY.seconds(4, 0, 0) / 4
+
+    assert max(true_speedup(k) for k in range(1, K_MAX + 1)) < 1.1  # below min_gain
+    decision = controller.choose(ids, draft_caps={"off-1": 0, "off-2": 0, "off-3": 0})
+    assert (decision.k, decision.reason) == (0, "not_paying")
