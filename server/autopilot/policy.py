@@ -24,6 +24,14 @@ _SHAPE_SAMPLES = 5
 # this is negligible wherever the window has data and only holds the directions it leaves open
 # (a batch size or a K not seen lately) at their last estimate.
 _RIDGE = 1e-3
+# The long-run fit's memory: a step's weight halves every ~700 steps (minutes of traffic).
+_LONG_FORGETTING = 0.999
+# What the long-run fit weighs in the window's, per feature: as many steps as this, each with
+# the largest value of the feature seen. In a window of K = 0 steps only the rare resumption
+# prices the draft and its catch-up; without this, each one alone set those costs (seen on a
+# 2-core CPU: the draft's cost per pass swung from 0.06 to 0.3 s within minutes, and 0.87 s
+# after an hour), and a measured shape's time moves with the fit (see _measured_seconds).
+_PRIOR_STEPS = 2.0
 # Acceptance before any data: optimistic enough that a cheap draft gets tried, honest in that
 # it is below what code reaches (~0.9) and about what prose does.
 _PRIOR_RATE = 0.5
@@ -71,7 +79,8 @@ class CostModel:
     steps, and extrapolating from the K in use to K = 0 turns that small disagreement into a
     wrong baseline (a slower draft read as a slower target; in a simulated trace speculation
     seemed to pay for 150-270 steps after it stopped paying). A window drops old steps after
-    99. Directions the window leaves open keep their last estimate (a ridge toward the last fit).
+    99. Directions the window leaves open or holds few steps in are held near a long-run fit
+    (exponential forgetting over ~1000 steps) by a ridge worth _PRIOR_STEPS steps.
     """
 
     def __init__(self, forgetting: float = 0.98) -> None:
@@ -83,6 +92,10 @@ class CostModel:
         self._gram = [[0.0] * _NUM_FEATURES for _ in range(_NUM_FEATURES)]
         self._moment = [0.0] * _NUM_FEATURES
         self._theta = [0.0] * _NUM_FEATURES  # a, b, c, d, e, u
+        self._long_gram = [[0.0] * _NUM_FEATURES for _ in range(_NUM_FEATURES)]
+        self._long_moment = [0.0] * _NUM_FEATURES
+        self._long_theta = [0.0] * _NUM_FEATURES
+        self._scale = [0.0] * _NUM_FEATURES  # the largest value of each feature seen
         self._ready = False
         self._shapes: dict[int, set[tuple[int, int]]] = {}  # batch size -> (V, P) seen, until ready
         # (batch size, K) -> the last few steady steps of that shape (every request verified
@@ -101,11 +114,15 @@ class CostModel:
         x = _features(step.batch_size, step.verified_tokens, step.proposed_k, step.caught_up_tokens)
         self._steps.append((x, step.duration))
         self._add(x, step.duration, sign=1.0)
-        gram = [
-            [g + _RIDGE * (i == j) for j, g in enumerate(row)] for i, row in enumerate(self._gram)
-        ]
-        rhs = [m + _RIDGE * t for m, t in zip(self._moment, self._theta, strict=True)]
-        self._theta = _solve(gram, rhs)
+        self._add_long(x, step.duration)
+        self._scale = [max(scale, xi) for scale, xi in zip(self._scale, x, strict=True)]
+        ridge = [_RIDGE] * _NUM_FEATURES
+        self._long_theta = _ridge_solve(self._long_gram, self._long_moment, ridge, self._long_theta)
+        prior = self._theta
+        if self._ready:
+            ridge = [_RIDGE + _PRIOR_STEPS * scale * scale for scale in self._scale]
+            prior = self._long_theta
+        self._theta = _ridge_solve(self._gram, self._moment, ridge, prior)
         if step.caught_up_tokens > 0:
             return  # prices the catch-up; not a shape the readiness or the measured times use
         if not self._ready:
@@ -115,6 +132,7 @@ class CostModel:
             if self._ready:
                 self._shapes.clear()
                 self._theta = _assume_batch_split(self._theta, step.batch_size)
+                self._long_theta = list(self._theta)
                 self._measured = {
                     shape: deque(
                         [(seconds, self._fit(*shape)) for seconds, _ in samples],
@@ -132,6 +150,13 @@ class CostModel:
             self._moment[i] += sign * xi * seconds
             for j, xj in enumerate(x):
                 self._gram[i][j] += sign * xi * xj
+
+    def _add_long(self, x: list[float], seconds: float) -> None:
+        for i, xi in enumerate(x):
+            self._long_moment[i] = _LONG_FORGETTING * self._long_moment[i] + xi * seconds
+            row = self._long_gram[i]
+            for j, xj in enumerate(x):
+                row[j] = _LONG_FORGETTING * row[j] + xi * xj
 
     @property
     def ready(self) -> bool:
@@ -228,6 +253,15 @@ def _assume_batch_split(theta: list[float], batch_size: int) -> list[float]:
 def _low_median(values: list[float]) -> float:
     """The median, or the lower middle value of an even count."""
     return sorted(values)[(len(values) - 1) // 2]
+
+
+def _ridge_solve(
+    gram: list[list[float]], moment: list[float], ridge: list[float], prior: list[float]
+) -> list[float]:
+    """Least squares pulled toward `prior` with weight ridge[i] on coefficient i."""
+    matrix = [[g + ridge[i] * (i == j) for j, g in enumerate(row)] for i, row in enumerate(gram)]
+    rhs = [m + r * p for m, r, p in zip(moment, ridge, prior, strict=True)]
+    return _solve(matrix, rhs)
 
 
 def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:

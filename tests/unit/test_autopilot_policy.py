@@ -239,18 +239,21 @@ def test_probes_come_within_the_interval_and_double_while_they_confirm_off() -> 
     assert all(decisions[i].k >= 1 and decisions[i].reason is None for i in probes)
 
 
-def test_speculation_resumes_when_acceptance_recovers() -> None:
-    sim = Sim(CPU)
+@pytest.mark.parametrize("seed", range(3))
+def test_speculation_resumes_when_acceptance_recovers(seed: int) -> None:
+    sim = Sim(CPU, seed)
     sim.calibrate(0.9)
     sim.set_requests({"prose": 0.1})
     sim.run(3000)  # off, probes 512 steps apart
 
     # New requests start from the overall estimate: often one probe shows it recovered, a few
-    # when the first probes happen to be rejected.
+    # when the first probes happen to be rejected. Early on, while its own estimate still
+    # leans on the traffic's, a run of rejections can pause it again until the next probes.
     sim.set_requests({"code": 0.9})
     recovery = speculating(sim.run(12 * 512))
     resumed = recovery.index(True)
-    assert all(recovery[resumed + 50 :])
+    assert sum(recovery[resumed:]) >= 0.9 * len(recovery[resumed:])
+    assert all(recovery[-512:])
 
     # Speculation resumed, so the interval is back to 16: off again, the first probe is quick.
     sim.set_requests({"prose-2": 0.1})
@@ -586,3 +589,37 @@ def test_requests_capped_at_zero_are_priced_as_gaining_nothing() -> None:
     assert max(true_speedup(k) for k in range(1, K_MAX + 1)) < 1.1  # below min_gain
     decision = controller.choose(ids, draft_caps={"off-1": 0, "off-2": 0, "off-3": 0})
     assert (decision.k, decision.reason) == (0, "not_paying")
+
+
+# 10. Long stretches at K = 0, priced by rare noisy resumptions.
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rare_noisy_resumptions_do_not_throw_the_costs_of_speculation(seed: int) -> None:
+    """Seen live on a 2-core CPU: in a window of K = 0 steps only the rare resumption (the draft
+    catches up, then proposes) prices the draft and its catch-up, so each one alone set those
+    costs, and the measured times of speculating shapes moved with them: the draft's cost per
+    pass swung from 0.06 to 0.3 s within minutes of traffic, and read 0.87 s after an hour.
+    Here resumptions and the steps after them are 0.78x to 1.28x their true time, and 2x in a
+    slow spell once; what the controller compares must stay near the machine's throughout.
+    (Without the long-run fit the draft's cost reached up to 1.9 s per pass for a true 0.015,
+    and predicted step times were off by up to 40x.)"""
+    rng = random.Random(seed)
+    cost = calibrated_with_catch_up(CPU)
+    for step in cycle_steps(CPU, 4, rng):
+        cost.observe(step)
+    draft = CPU.d + CPU.e
+    for resumption in range(40):
+        for _ in range(rng.randrange(40, 200)):
+            cost.observe(StepRecord(CPU.seconds(4, 0, 0) * rng.uniform(0.95, 1.1), 4, 0, 0, 0))
+        slow = 2.0 if resumption == 20 else 1.0
+        k, behind = rng.randrange(1, 4), rng.randrange(20, 200)
+        seconds = CPU.seconds(4, 0, k) + behind * CATCH_UP_SECONDS_PER_TOKEN
+        noise = slow * math.exp(rng.uniform(-0.25, 0.25))
+        cost.observe(StepRecord(seconds * noise, 4, 0, k, 0, caught_up_tokens=behind))
+        noise = slow * math.exp(rng.uniform(-0.25, 0.25))
+        cost.observe(StepRecord(CPU.seconds(4, 4 * k, 0) * noise, 4, 4 * k, 0, 0))
+        assert draft / 3 < cost.draft_seconds_per_token(1) < 2 * draft
+        for batch, k in itertools.product((1, 2, 4), range(K_MAX + 1)):
+            true = CPU.seconds(batch, batch * k, k)
+            assert cost.predict(batch, k) == pytest.approx(true, rel=0.5)
