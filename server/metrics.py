@@ -222,7 +222,11 @@ def describe_server(
 
 
 class SpeculationWindow:
-    """Speculation totals of the requests that finished within the window."""
+    """Speculation totals of the requests that finished within the window.
+
+    Old entries are dropped on every insert as well as on every read, so memory
+    stays bounded by the traffic of one window whether or not anything scrapes.
+    """
 
     def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._seconds = seconds
@@ -232,15 +236,18 @@ class SpeculationWindow:
 
     def add(self, stats: SpeculationStats) -> None:
         with self._lock:
-            self._entries.append(
-                (self._clock(), stats.drafts, stats.draft_tokens, stats.accepted_tokens)
-            )
+            now = self._clock()
+            self._prune(now)
+            self._entries.append((now, stats.drafts, stats.draft_tokens, stats.accepted_tokens))
+
+    def _prune(self, now: float) -> None:  # holding the lock
+        horizon = now - self._seconds
+        while self._entries and self._entries[0][0] < horizon:
+            self._entries.popleft()
 
     def _totals(self) -> tuple[int, int, int]:
         with self._lock:
-            horizon = self._clock() - self._seconds
-            while self._entries and self._entries[0][0] < horizon:
-                self._entries.popleft()
+            self._prune(self._clock())
             drafts = sum(e[1] for e in self._entries)
             draft_tokens = sum(e[2] for e in self._entries)
             accepted = sum(e[3] for e in self._entries)

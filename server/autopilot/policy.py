@@ -35,6 +35,13 @@ _PRIOR_STEPS = 2.0
 # Acceptance before any data: optimistic enough that a cheap draft gets tried, honest in that
 # it is below what code reaches (~0.9) and about what prose does.
 _PRIOR_RATE = 0.5
+# Weight of each steady speculating step in the realised fraction of predicted speedups
+# (half-life ~14 steps), and how fast the fraction returns to 1 while K stays 0 (half-life
+# ~350 steps), so one bad stretch does not keep speculation off for good. Recovery this slow
+# against learning that fast bounds the retries: where steps realise 0.6 of the prediction,
+# speculation runs in under 10% of steps.
+_REALISED_WEIGHT = 0.05
+_REALISED_RECOVERY = 0.002
 # Output tokens a request is expected to still produce, at most, when pricing the draft's
 # catch-up against what speculation saves: a large max_tokens is a cap, not a promise (EOS).
 _HORIZON_TOKENS = 256
@@ -414,7 +421,11 @@ class Controller:
     K > 0 only when it beats K = 0 by min_gain: noise must never make users slower than no
     speculation, and the prediction is of steady decode steps, which miss what arrivals,
     prefills and K changes cost (on a 2-core CPU, end-to-end runs at 2-4 requests realised
-    0.8-0.9 of the predicted speedup). And only when what it saves over the requests'
+    0.8-0.9 of the predicted speedup). The predicted speedup is first scaled by the fraction
+    of it that steady speculating steps have realised (see realised(), at most 1): choosing
+    the requests whose acceptance estimate is high picks some that are high by chance, and
+    the model's step times can be off, so on prose at one request the model predicted 1.1-1.2x
+    where the steps realised ~0.9 of it. And only when what it saves over the requests'
     remaining tokens pays for the draft catching up on the positions it missed while idle
     (its share of a new prompt included): a short request does not pay back a long prompt's
     catch-up ("too_short").
@@ -448,6 +459,7 @@ class Controller:
         self._probe_interval = probe_interval_steps
         self._calibration_steps = 0
         self._off_steps = 0  # K = 0 steps since speculation stopped or since the last probe
+        self._realised = 1.0  # measured over predicted speedup of steady speculating steps
 
     def choose(
         self,
@@ -472,25 +484,30 @@ class Controller:
         left = sum(
             min((tokens_left or {}).get(r, _HORIZON_TOKENS), _HORIZON_TOKENS) for r in request_ids
         )
-        caps = {r: min(self._k_max, (draft_caps or {}).get(r, self._k_max)) for r in request_ids}
+        requested = {
+            r: min(self._k_max, (draft_caps or {}).get(r, self._k_max)) for r in request_ids
+        }
         tokens = {
             # A capped request gains nothing from drafts past its cap.
-            r: _capped(_tokens_by_k(self._acceptance.position_rates(r), caps[r]), self._k_max)
+            r: _capped(_tokens_by_k(self._acceptance.position_rates(r), requested[r]), self._k_max)
             for r in request_ids
         }
         total = [sum(t[k] for t in tokens.values()) for k in range(self._k_max + 1)]
         # Drafts past a request's cap are not verified: the step is that much cheaper.
-        unverified = [sum(k - min(k, cap) for cap in caps.values()) for k in range(self._k_max + 1)]
+        unverified = [
+            sum(k - min(k, cap) for cap in requested.values()) for k in range(self._k_max + 1)
+        ]
         throughput = self._throughput(total, batch, unverified)
         best = max(range(1, self._k_max + 1), key=throughput.__getitem__)  # ties: fewer drafts
         speedup = throughput[best] / throughput[0]
-        paying = speedup >= 1.0 + self._min_gain
-        if paying and _pays_back(catch_up, left, throughput[0], throughput[best]):
+        expected = speedup * self.realised_fraction
+        paying = expected >= 1.0 + self._min_gain
+        if paying and _pays_back(catch_up, left, throughput[0], throughput[0] * expected):
             self._off_steps = 0
             self._probe_interval = self._base_interval
-            caps = self._caps(tokens, best, throughput[best])
-            return Decision(best, caps, None, speedup, False)
+            return Decision(best, self._caps(tokens, best, throughput[best]), None, speedup, False)
         self._off_steps += 1
+        self._realised += _REALISED_RECOVERY * (1.0 - self._realised)
         if paying:
             reason = "too_short"
         elif batch > 1 and self._pays_alone(total, batch):
@@ -502,6 +519,19 @@ class Controller:
             self._probe_interval = min(2 * self._probe_interval, self._max_interval)
             return Decision(best, dict.fromkeys(request_ids, best), None, speedup, True)
         return Decision(0, dict.fromkeys(request_ids, 0), reason, 1.0, False)
+
+    def realised(self, predicted: float, measured: float) -> None:
+        """One steady speculating step (the K it verified is the K it proposed, no prefill):
+        the speedup the decision predicted for it (Decision.predicted_speedup) and the one it
+        measured (tokens/s over the predicted no-speculation rate at its batch size)."""
+        if predicted > 0.0:
+            self._realised += _REALISED_WEIGHT * (measured / predicted - self._realised)
+
+    @property
+    def realised_fraction(self) -> float:
+        """What the predicted speedups are scaled by: the realised fraction, at most 1 (a step
+        realising more than predicted never makes speculation look better than the model)."""
+        return min(self._realised, 1.0)
 
     def _probe_due(
         self, reason: str, batch: int, catch_up: float, left: float, baseline: float

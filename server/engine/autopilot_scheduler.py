@@ -115,6 +115,7 @@ class AutopilotScheduler(Scheduler):
         self._steps_by_k: Counter[int] = Counter()
         self._zero_steps_by_reason: Counter[str] = Counter()
         self._measured_speedup: float | None = None
+        self._verified_k = 0  # the K the step being run verifies (its predecessor's)
         self._reporter = Reporter("scheduler")
         logger.info("specserve: speculation %s, K up to %d", self._mode, self.num_spec_tokens)
 
@@ -260,6 +261,10 @@ class AutopilotScheduler(Scheduler):
             speedup = generated / duration / baseline
             previous = self._measured_speedup
             self._measured_speedup = speedup if previous is None else 0.9 * previous + 0.1 * speedup
+            steady = decision.k > 0 and not decision.probing and decision.k == self._verified_k
+            if self._mode == "auto" and steady and not step.caught_up_tokens:
+                self._controller.realised(decision.predicted_speedup, speedup)
+        self._verified_k = decision.k  # what the next step verifies
         return step
 
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:
@@ -281,6 +286,7 @@ class AutopilotScheduler(Scheduler):
                 "probing": decision.probing if decision else False,
                 "predicted_speedup": decision.predicted_speedup if decision else 1.0,
                 "measured_speedup": self._measured_speedup,
+                "realised_fraction": self._controller.realised_fraction,
                 "steps_by_k": {str(k): n for k, n in self._steps_by_k.items()},
                 "zero_steps_by_reason": dict(self._zero_steps_by_reason),
                 "acceptance_by_position": rates,

@@ -148,6 +148,19 @@ def test_speculation_window_forgets_old_requests() -> None:
     assert math.isnan(window.mean_acceptance_length())
 
 
+def test_speculation_window_stays_bounded_without_scrapes() -> None:
+    """Nothing reads the window here (no scraper): inserts alone drop what is out of it."""
+    now = [0.0]
+    window = SpeculationWindow(60, clock=lambda: now[0])
+    stats = SpeculationStats(
+        drafts=1, draft_tokens=2, accepted_tokens=1, accepted_per_position=[1, 0]
+    )
+    for second in range(600):
+        now[0] = float(second)
+        window.add(stats)
+    assert len(window._entries) == 61  # the requests of seconds 539..599
+
+
 class _FreshModelEngine(ScriptedEngine):
     """A model name no other test uses, so its series start from nothing."""
 
