@@ -27,12 +27,16 @@ after `--` go to every server.
 
 Server restarts an hour apart let machine drift into every ratio (the same
 configuration measured twice differed by up to 29% per cell here). `--paired R`
-measures what the autopilot's decisions are worth without that drift: one auto
-server, and per workload and concurrency a `loadtest compare` of auto against
-the same server with speculation off per request (`{"speculation":
-{"max_draft_tokens": 0}}`: K=0, the draft idle) in R alternating rounds of
-`concurrency` requests each; <out>/paired.md gives the round-by-round ratio
-with its 95% interval per cell.
+measures each configuration against K=0 on its own server, without that
+drift: per workload and concurrency a `loadtest compare` of the configuration
+against the same server's requests with speculation off (`{"speculation":
+{"max_draft_tokens": 0}}`: K=0, the draft idle, what `--no-speculation` runs)
+in R alternating rounds (ABBA) of `concurrency` requests each. auto runs on an
+auto server; fixed-2 and fixed-4 on one fixed server at the larger K, fixed-2
+as its requests capped at 2 (`max_draft_tokens`: the step's K is 2, the draft
+proposes 2). Results go to <out>/paired/<config>/<workload>-c<level>/, and
+<out>/paired.md gives each configuration's round-by-round ratio over K=0 with
+its 95% interval per cell, and auto / best fixed as the ratio of those ratios.
 
     .venv/bin/python scripts/bench_autopilot.py --out loadtest-results/autopilot-paired \\
         --paired 8 --concurrency 1 2 4 8 --max-tokens 32 -- --max-model-len 4096
@@ -64,9 +68,8 @@ SPECULATION_OFF = {"speculation": {"max_draft_tokens": 0}}
 def _flags(config: str, max_num_seqs: int) -> list[str]:
     if config == "auto":
         return ["--speculation", "auto"]
-    k = config.removeprefix("fixed-")
     return [
-        "--speculation", "fixed", "--num-speculative-tokens", k,
+        "--speculation", "fixed", "--num-speculative-tokens", str(_fixed_k(config)),
         "--speculation-max-batch-size", str(max_num_seqs),
     ]  # fmt: skip
 
@@ -165,36 +168,52 @@ def table(out: Path) -> str:
 
 
 def paired_table(out: Path) -> str:
-    """<out>/paired.md from the compare results under <out>/paired/."""
+    """<out>/paired.md from the compare results under <out>/paired/<config>/."""
+    cells: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+    for path in sorted(out.glob("paired/*/*/results.json")):
+        data = json.loads(path.read_text())
+        level = int(path.parent.name.rsplit("-c", 1)[1])
+        cells.setdefault((data["config"]["workload"], level), {})[path.parent.parent.name] = data
     lines = [
-        "### Speculation auto against K=0 on the same server, round by round",
+        "### Speculation auto and fixed K, each against K=0 on its own server, round by round",
         "",
         "```text",
         *_cpu(out),
         "```",
         "",
-        "Output tokens/s of auto over the same server's requests with speculation off "
-        '(`{"speculation": {"max_draft_tokens": 0}}`: K=0, the draft idle), geometric mean '
-        "of the per-round ratios of alternating rounds (ABBA) and its 95% interval. "
-        f"⚠: the interval lies below {AUTO_FLOOR}x. Acceptance, K mix and identical text "
-        "as in the main table, from the auto side.",
+        "Output tokens/s of each configuration over the same server's requests with "
+        'speculation off (`{"speculation": {"max_draft_tokens": 0}}`: K=0, the draft idle), '
+        "geometric mean of the per-round ratios of alternating rounds (ABBA) and its 95% "
+        "interval; auto / best fixed = auto's ratio over the larger of fixed-2's and "
+        f"fixed-4's. ⚠: auto's interval lies below {AUTO_FLOOR}x, or auto / best fixed below "
+        f"{BEST_FLOOR}. K=0 tok/s from the auto server's K=0 side; acceptance and K mix from "
+        "auto's side; identical text: greedy replies equal to the same server's K=0 ones "
+        "(auto / fixed-2 / fixed-4); failed: requests of every side.",
         "",
-        "| workload | concurrency | K=0 tok/s | auto / K=0 (95% interval, rounds) | "
-        "auto acceptance rate / mean length | auto K mix | identical text | failed |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | concurrency | K=0 tok/s | auto / K=0 | fixed-2 / K=0 | fixed-4 / K=0 | "
+        "auto / best fixed | auto acceptance rate / mean length | auto K mix | "
+        "identical text | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for path in sorted(out.glob("paired/*/results.json")):
-        data = json.loads(path.read_text())
-        auto, off = data["servers"]["auto"], data["servers"]["off"]
-        result = data["paired_speedup"]
-        flag = " ⚠" if result and result["high"] is not None and result["high"] < AUTO_FLOOR else ""
-        acceptance, mix = _auto_speculation([auto])
-        failed = auto["summary"]["failed"] + off["summary"]["failed"]
-        level = int(path.parent.name.rsplit("-c", 1)[1])
+    for (workload, concurrency), runs in sorted(cells.items()):
+        results = {c: runs[c]["paired_speedup"] if c in runs else None for c in CONFIGS}
+        auto = results["auto"]
+        flag = " ⚠" if auto and auto["high"] is not None and auto["high"] < AUTO_FLOOR else ""
+        fixed = [r["speedup"] for c, r in results.items() if c != "auto" and r]
+        vs_best = ratio(auto["speedup"], max(fixed)) if auto and fixed else None
+        sides = {c: runs[c]["servers"] for c in CONFIGS if c in runs}
+        plain = sides["auto"]["off"]["summary"]["output_throughput"] if "auto" in sides else None
+        acceptance, mix = ("-", "-")
+        if "auto" in sides:
+            acceptance, mix = _auto_speculation([sides["auto"]["auto"]])
+        identical = " / ".join(
+            _identical([sides[c][c]], [sides[c]["off"]]) if c in sides else "-" for c in CONFIGS
+        )
+        failed = sum(s["summary"]["failed"] for group in sides.values() for s in group.values())
         lines.append(
-            f"| {data['config']['workload']} | {level} | "
-            f"{fmt(off['summary']['output_throughput'])} | {paired(result)}{flag} | "
-            f"{acceptance} | {mix} | {_identical([auto], [off])} | {failed} |"
+            f"| {workload} | {concurrency} | {fmt(plain)} | {paired(auto)}{flag} | "
+            f"{paired(results['fixed-2'])} | {paired(results['fixed-4'])} | "
+            f"{_mark(vs_best, BEST_FLOOR)} | {acceptance} | {mix} | {identical} | {failed} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -226,7 +245,7 @@ def main() -> None:
         "--paired",
         type=int,
         metavar="ROUNDS",
-        help="one auto server: auto against per-request K=0 in ROUNDS alternating rounds",
+        help="each configuration against per-request K=0 on its own server, ROUNDS rounds",
     )
     parser.add_argument(
         "--tables-only", action="store_true", help="rebuild <out>/autopilot.md or paired.md"
@@ -270,26 +289,44 @@ def _serve(
 
 def _run_paired(args: argparse.Namespace, engine_extra: list[str]) -> None:
     record = _start_recording(args)
-    server = _serve(args, engine_extra, record, "specserve-auto", _flags("auto", args.max_num_seqs))
-    url = f"http://127.0.0.1:{PORT}"
-    try:
-        for workload in args.workloads:
-            for level in args.concurrency:
-                _loadtest(
-                    [
-                        "compare", "--a", url, "--a-label", "auto", "--b", url,
-                        "--b-label", "off", "--b-body", json.dumps(SPECULATION_OFF),
-                        "--workload", workload, "--concurrency", str(level),
-                        "--rounds", str(args.paired),
-                        "--num-requests", str(args.num_requests or level * args.paired),
-                        "--max-tokens", str(args.max_tokens), "--seed", "0",
-                        "--no-progress", "--no-plots", "--output-dir",
-                        str(args.out / "paired" / f"{workload}-c{level}"),
-                    ],
-                    record,
-                )  # fmt: skip
-    finally:
-        _stop(server)
+    fixed = sorted((c for c in args.configs if c.startswith("fixed-")), key=_fixed_k)
+    groups = [("auto", ["auto"])] if "auto" in args.configs else []
+    if fixed:
+        groups.append((fixed[-1], fixed))  # one server at the largest K serves every fixed K
+    for server_config, configs in groups:
+        name = f"specserve-{server_config}"
+        server = _serve(args, engine_extra, record, name, _flags(server_config, args.max_num_seqs))
+        url = f"http://127.0.0.1:{PORT}"
+        try:
+            for config in configs:
+                body = {} if config == server_config else _capped(config)
+                for workload in args.workloads:
+                    for level in args.concurrency:
+                        _loadtest(
+                            [
+                                "compare", "--a", url, "--a-label", config,
+                                "--a-body", json.dumps(body), "--b", url, "--b-label", "off",
+                                "--b-body", json.dumps(SPECULATION_OFF),
+                                "--workload", workload, "--concurrency", str(level),
+                                "--rounds", str(args.paired),
+                                "--num-requests", str(args.num_requests or level * args.paired),
+                                "--max-tokens", str(args.max_tokens), "--seed", "0",
+                                "--no-progress", "--no-plots", "--output-dir",
+                                str(args.out / "paired" / config / f"{workload}-c{level}"),
+                            ],
+                            record,
+                        )  # fmt: skip
+        finally:
+            _stop(server)
+
+
+def _fixed_k(config: str) -> int:
+    return int(config.removeprefix("fixed-"))
+
+
+def _capped(config: str) -> dict[str, Any]:
+    """The request body that makes a fixed server at a larger K run this config's K."""
+    return {"speculation": {"max_draft_tokens": _fixed_k(config)}}
 
 
 def _run(args: argparse.Namespace, engine_extra: list[str]) -> None:
