@@ -35,12 +35,14 @@ _PRIOR_STEPS = 2.0
 # Acceptance before any data: optimistic enough that a cheap draft gets tried, honest in that
 # it is below what code reaches (~0.9) and about what prose does.
 _PRIOR_RATE = 0.5
-# Weight of each steady speculating step in the realised fraction of predicted speedups
-# (half-life ~14 steps), and how fast the fraction returns to 1 while K stays 0 (half-life
-# ~350 steps), so one bad stretch does not keep speculation off for good. Recovery this slow
-# against learning that fast bounds the retries: where steps realise 0.6 of the prediction,
-# speculation runs in under 10% of steps.
+# Weight of each request of a steady speculating step in the realised fraction of predicted
+# speedups at its batch size (a step of one request: half-life ~14 steps; of eight, ~2 steps,
+# since it measures eight requests' tokens at once; at most _REALISED_MAX_WEIGHT), and how fast
+# the fraction returns to 1 while K stays 0 there (half-life ~350 steps), so one bad stretch does
+# not keep speculation off for good. Recovery this slow against learning that fast bounds the
+# retries: where steps realise 0.6 of the prediction, speculation runs in under 10% of steps.
 _REALISED_WEIGHT = 0.05
+_REALISED_MAX_WEIGHT = 0.5
 _REALISED_RECOVERY = 0.002
 # Output tokens a request is expected to still produce, at most, when pricing the draft's
 # catch-up against what speculation saves: a large max_tokens is a cap, not a promise (EOS).
@@ -313,10 +315,17 @@ class AcceptanceTracker:
 
     Each observe() ages the request's own counts and the overall counts by one verify step;
     steps that verify nothing age nothing (there is no news about acceptance in them).
+
+    prior_strength is in verify steps: a request's first few drafts move its estimate only
+    partly. With 2, a prose request (true ~0.5) on a lucky streak read as ~0.8 and got K=3
+    (seen on a 2-core CPU: rounds at one prose request that ran K=1-3 at 0.41-0.58 acceptance
+    were 3-11% slower than K=0), and a code request's unlucky miss turned it off; in a
+    simulation of that machine, code at one request realised 1.30-1.34x with 6 against
+    1.26-1.28x with 2, prose 1.00x with either.
     """
 
     def __init__(
-        self, k_max: int, half_life_steps: float = 16.0, prior_strength: float = 2.0
+        self, k_max: int, half_life_steps: float = 16.0, prior_strength: float = 6.0
     ) -> None:
         if k_max < 0 or half_life_steps <= 0 or prior_strength <= 0:
             raise ValueError("k_max must be >= 0, half_life_steps and prior_strength > 0")
@@ -422,13 +431,14 @@ class Controller:
     speculation, and the prediction is of steady decode steps, which miss what arrivals,
     prefills and K changes cost (on a 2-core CPU, end-to-end runs at 2-4 requests realised
     0.8-0.9 of the predicted speedup). The predicted speedup is first scaled by the fraction
-    of it that steady speculating steps have realised (see realised(), at most 1): choosing
-    the requests whose acceptance estimate is high picks some that are high by chance, and
-    the model's step times can be off, so on prose at one request the model predicted 1.1-1.2x
-    where the steps realised ~0.9 of it. And only when what it saves over the requests'
-    remaining tokens pays for the draft catching up on the positions it missed while idle
-    (its share of a new prompt included): a short request does not pay back a long prompt's
-    catch-up ("too_short").
+    of it that steady speculating steps at the same batch size have realised (see realised(),
+    at most 1): choosing the requests whose acceptance estimate is high picks some that are
+    high by chance, and the model's step times can be off, so on prose at one request the model
+    predicted 1.1-1.2x where the steps realised ~0.9 of it, and at eight code requests it
+    predicted a gain for whole rounds of steps that ran 0.8-0.9x as fast as K = 0. And only
+    when what it saves over the requests' remaining tokens pays for the draft catching up on
+    the positions it missed while idle (its share of a new prompt included): a short request
+    does not pay back a long prompt's catch-up ("too_short").
     While K stays 0 nothing is verified, so every probe interval one step runs the best K >= 1
     to let acceptance show it recovered, if even perfect acceptance could pay back that step's
     catch-up (otherwise the probe could not change the answer). The interval doubles while
@@ -459,7 +469,8 @@ class Controller:
         self._probe_interval = probe_interval_steps
         self._calibration_steps = 0
         self._off_steps = 0  # K = 0 steps since speculation stopped or since the last probe
-        self._realised = 1.0  # measured over predicted speedup of steady speculating steps
+        # batch size -> measured over predicted speedup of its steady speculating steps
+        self._realised: dict[int, float] = {}
 
     def choose(
         self,
@@ -500,14 +511,15 @@ class Controller:
         throughput = self._throughput(total, batch, unverified)
         best = max(range(1, self._k_max + 1), key=throughput.__getitem__)  # ties: fewer drafts
         speedup = throughput[best] / throughput[0]
-        expected = speedup * self.realised_fraction
+        expected = speedup * self.realised_fraction(batch)
         paying = expected >= 1.0 + self._min_gain
         if paying and _pays_back(catch_up, left, throughput[0], throughput[0] * expected):
             self._off_steps = 0
             self._probe_interval = self._base_interval
             return Decision(best, self._caps(tokens, best, throughput[best]), None, speedup, False)
         self._off_steps += 1
-        self._realised += _REALISED_RECOVERY * (1.0 - self._realised)
+        if batch in self._realised:
+            self._realised[batch] += _REALISED_RECOVERY * (1.0 - self._realised[batch])
         if paying:
             reason = "too_short"
         elif batch > 1 and self._pays_alone(total, batch):
@@ -520,18 +532,26 @@ class Controller:
             return Decision(best, dict.fromkeys(request_ids, best), None, speedup, True)
         return Decision(0, dict.fromkeys(request_ids, 0), reason, 1.0, False)
 
-    def realised(self, predicted: float, measured: float) -> None:
-        """One steady speculating step (the K it verified is the K it proposed, no prefill):
-        the speedup the decision predicted for it (Decision.predicted_speedup) and the one it
-        measured (tokens/s over the predicted no-speculation rate at its batch size)."""
+    def realised(self, predicted: float, measured: float, batch: int) -> None:
+        """One steady speculating step of `batch` requests (the K it verified is the K it
+        proposed, no prefill): the speedup the decision predicted for it
+        (Decision.predicted_speedup) and the one it measured (tokens/s over the predicted
+        no-speculation rate at its batch size)."""
         if predicted > 0.0:
-            self._realised += _REALISED_WEIGHT * (measured / predicted - self._realised)
+            weight = min(_REALISED_WEIGHT * batch, _REALISED_MAX_WEIGHT)
+            current = self._realised.get(batch, 1.0)
+            self._realised[batch] = current + weight * (measured / predicted - current)
+
+    def realised_fraction(self, batch: int) -> float:
+        """What predicted speedups at this batch size are scaled by: the realised fraction, at
+        most 1 (a step realising more than predicted never makes speculation look better than
+        the model); 1 where nothing was measured yet."""
+        return min(self._realised.get(batch, 1.0), 1.0)
 
     @property
-    def realised_fraction(self) -> float:
-        """What the predicted speedups are scaled by: the realised fraction, at most 1 (a step
-        realising more than predicted never makes speculation look better than the model)."""
-        return min(self._realised, 1.0)
+    def realised_fractions(self) -> dict[int, float]:
+        """The realised fraction of every batch size measured so far."""
+        return {batch: self.realised_fraction(batch) for batch in sorted(self._realised)}
 
     def _probe_due(
         self, reason: str, batch: int, catch_up: float, left: float, baseline: float

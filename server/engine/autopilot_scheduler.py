@@ -263,7 +263,7 @@ class AutopilotScheduler(Scheduler):
             self._measured_speedup = speedup if previous is None else 0.9 * previous + 0.1 * speedup
             steady = decision.k > 0 and not decision.probing and decision.k == self._verified_k
             if self._mode == "auto" and steady and not step.caught_up_tokens:
-                self._controller.realised(decision.predicted_speedup, speedup)
+                self._controller.realised(decision.predicted_speedup, speedup, step.batch_size)
         self._verified_k = decision.k  # what the next step verifies
         return step
 
@@ -286,7 +286,10 @@ class AutopilotScheduler(Scheduler):
                 "probing": decision.probing if decision else False,
                 "predicted_speedup": decision.predicted_speedup if decision else 1.0,
                 "measured_speedup": self._measured_speedup,
-                "realised_fraction": self._controller.realised_fraction,
+                "realised_fraction_by_batch": {
+                    str(batch): fraction
+                    for batch, fraction in self._controller.realised_fractions.items()
+                },
                 "steps_by_k": {str(k): n for k, n in self._steps_by_k.items()},
                 "zero_steps_by_reason": dict(self._zero_steps_by_reason),
                 "acceptance_by_position": rates,

@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from server.autopilot.feed import AutopilotFeed
+from server.autopilot.policy import AcceptanceTracker
 from server.engine import autopilot_scheduler, draft_sync
 from server.engine.autopilot_report import SOCKET_ENV, Reporter
 from server.engine.vllm_engine import EngineConfig, VllmEngine
@@ -193,3 +194,69 @@ def test_the_step_proposes_no_more_than_the_largest_cap() -> None:
     assert (decision.k, decision.per_request_k) == (2, {"a": 1, "b": 2})
     idle = autopilot_scheduler.Decision(0, {}, "not_paying", 1.0, False)
     assert _capped(scheduler, idle) == idle
+
+
+class _RecordingController:
+    def __init__(self) -> None:
+        self.realised_calls: list[tuple[float, float, int]] = []
+
+    def realised(self, predicted: float, measured: float, batch: int) -> None:
+        self.realised_calls.append((predicted, measured, batch))
+
+
+def _observing_scheduler(mode: str) -> Any:
+    """A scheduler whose cost model predicts a plain step at 0.25 s (4 tok/s at batch 1)."""
+    scheduler = object.__new__(autopilot_scheduler.AutopilotScheduler)
+    scheduler._mode = mode
+    scheduler._cost = SimpleNamespace(
+        observe=lambda step: None, ready=True, predict=lambda batch, k: 0.25
+    )
+    scheduler._acceptance = AcceptanceTracker(4)
+    scheduler._controller = _RecordingController()
+    scheduler._caught_up = 0
+    scheduler._measured_speedup = None
+    scheduler._verified_k = 0
+    return scheduler
+
+
+def _step(
+    scheduler: Any, k: int, *, probing: bool = False, prefill: int = 0, caught_up: int = 0
+) -> None:
+    """One 0.5 s step of request "r" proposing k, verifying what the step before proposed
+    (all accepted, so 1 + drafts tokens come out), with a prompt chunk of `prefill` tokens."""
+    drafts = scheduler._verified_k
+    scheduler._caught_up = caught_up
+    output = SimpleNamespace(
+        num_scheduled_tokens={"r": 1 + drafts + prefill},
+        scheduled_spec_decode_tokens={"r": [0] * drafts} if drafts else {},
+    )
+    runner = SimpleNamespace(sampled_token_ids=[[7] * (1 + drafts)], req_id_to_index={"r": 0})
+    decision = autopilot_scheduler.Decision(k, {}, None if k else "not_paying", 1.5, probing)
+    scheduler._observe(output, runner, 0.5, decision)
+
+
+def test_only_steady_speculating_steps_teach_the_controller_what_it_realised() -> None:
+    scheduler = _observing_scheduler("auto")
+    calls = scheduler._controller.realised_calls
+    _step(scheduler, 2)  # verifies nothing yet
+    assert calls == []
+    _step(scheduler, 2)  # steady: 3 tokens in 0.5 s against 4 tok/s plain = 1.5x
+    assert calls == [(1.5, 1.5, 1)]
+    _step(scheduler, 2, probing=True)
+    _step(scheduler, 3)  # verifies 2, proposes 3
+    _step(scheduler, 3, prefill=6)  # a prompt chunk rides along
+    _step(scheduler, 3, caught_up=5)  # the draft caught up first
+    assert len(calls) == 1
+    _step(scheduler, 3)
+    assert calls[1] == (1.5, 2.0, 1)  # 4 tokens in 0.5 s
+    _step(scheduler, 0)  # verifies 3, proposes none
+    _step(scheduler, 0)
+    assert len(calls) == 2
+    assert scheduler._measured_speedup is not None
+
+
+def test_fixed_k_never_moves_the_realised_fraction() -> None:
+    scheduler = _observing_scheduler("fixed")
+    for _ in range(3):
+        _step(scheduler, 2)
+    assert scheduler._controller.realised_calls == []

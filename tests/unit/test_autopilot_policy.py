@@ -644,7 +644,9 @@ def test_speculation_stops_when_steps_realise_too_little_of_the_prediction_and_r
         decision = sim.step()
         decisions.append(decision)
         if decision.k > 0 and not decision.probing:
-            sim.controller.realised(decision.predicted_speedup, 0.6 * decision.predicted_speedup)
+            sim.controller.realised(
+                decision.predicted_speedup, 0.6 * decision.predicted_speedup, batch=1
+            )
     stopped = decisions.index(next(d for d in decisions if d.k == 0))
     assert stopped < 40
     assert {d.reason for d in decisions[stopped:] if d.k == 0} == {"not_paying"}
@@ -653,9 +655,44 @@ def test_speculation_stops_when_steps_realise_too_little_of_the_prediction_and_r
         decision = sim.step()
         later.append(decision.k > 0 and not decision.probing)
         if later[-1]:
-            sim.controller.realised(decision.predicted_speedup, 0.6 * decision.predicted_speedup)
+            sim.controller.realised(
+                decision.predicted_speedup, 0.6 * decision.predicted_speedup, batch=1
+            )
     assert 0 < sum(later) < 100  # retried, rarely
 
     for _ in range(100):
-        sim.controller.realised(1.2, 2.4)
-    assert sim.controller.realised_fraction == 1.0
+        sim.controller.realised(1.2, 2.4, batch=1)
+    assert sim.controller.realised_fraction(1) == 1.0
+
+
+def test_a_batch_size_whose_steps_fall_short_stops_within_steps_and_others_go_on() -> None:
+    """Seen on a 2-core CPU: at eight code requests the model predicted a gain for whole
+    rounds of steps that ran 0.8-0.9x as fast as K = 0. A step of several requests measures
+    all their tokens, so a few such steps must stop speculation at that batch size, without
+    holding back a batch size whose steps realise what was predicted."""
+    sim = Sim(CHEAP_VERIFY)
+    sim.calibrate(0.9)
+    four = {f"r{i}": 0.9 for i in range(4)}
+
+    def run_slower_than_plain(steps: int) -> list[bool]:
+        """Steps at four requests that measure 0.9x, however fast the model says they are."""
+        on = []
+        for _ in range(steps):
+            decision = sim.step()
+            on.append(decision.k > 0 and not decision.probing)
+            if on[-1]:
+                sim.controller.realised(decision.predicted_speedup, 0.9, batch=4)
+        return on
+
+    sim.set_requests(four)
+    assert sim.run(20)[-1].k > 0  # the model says it pays at four
+    # A step of four weighs 0.2, four times a lone request's step: it stops within a few
+    # steps (a lone request's fraction would take ~4 times as many), then retries rarely.
+    on = run_slower_than_plain(40)
+    assert on.index(False) <= 8 and sum(on) <= 10
+    assert sim.step().reason == "batch_too_large"  # it would pay alone
+    sim.set_requests({"alone": 0.9})
+    assert all(d.k > 0 for d in sim.run(10)[2:])  # one request: its own fraction, still 1
+    assert sim.controller.realised_fraction(1) == 1.0
+    sim.set_requests(four)
+    assert sum(run_slower_than_plain(100)) <= 5
