@@ -316,16 +316,14 @@ class AcceptanceTracker:
     Each observe() ages the request's own counts and the overall counts by one verify step;
     steps that verify nothing age nothing (there is no news about acceptance in them).
 
-    prior_strength is in verify steps: a request's first few drafts move its estimate only
-    partly. With 2, a prose request (true ~0.5) on a lucky streak read as ~0.8 and got K=3
-    (seen on a 2-core CPU: rounds at one prose request that ran K=1-3 at 0.41-0.58 acceptance
-    were 3-11% slower than K=0), and a code request's unlucky miss turned it off; in a
-    simulation of that machine, code at one request realised 1.30-1.34x with 6 against
-    1.26-1.28x with 2, prose 1.00x with either.
+    prior_strength is in verify steps. 6 (a request's estimate held nearer the traffic's, so a
+    lucky streak of a prose request buys less) looked better in a simulation and was worse on
+    a 2-core CPU: code at 1, 2 and 4 requests ran 1.23x, 1.02x and 0.94x of K = 0 against
+    1.33x, 1.09x and 0.98x with 2 (8 rounds each, within each other's intervals; prose alike).
     """
 
     def __init__(
-        self, k_max: int, half_life_steps: float = 16.0, prior_strength: float = 6.0
+        self, k_max: int, half_life_steps: float = 16.0, prior_strength: float = 2.0
     ) -> None:
         if k_max < 0 or half_life_steps <= 0 or prior_strength <= 0:
             raise ValueError("k_max must be >= 0, half_life_steps and prior_strength > 0")
