@@ -36,7 +36,7 @@ _PRIOR_STEPS = 2.0
 # it is below what code reaches (~0.9) and about what prose does.
 _PRIOR_RATE = 0.5
 # Weight of each request of a steady speculating step in the realised fraction of predicted
-# speedups at its batch size (a step of one request: half-life ~14 steps; of eight, ~2 steps,
+# speedups at its batch size (a step of one request: half-life ~14 steps; of eight, under 2 steps,
 # since it measures eight requests' tokens at once; at most _REALISED_MAX_WEIGHT), and how fast
 # the fraction returns to 1 while K stays 0 there (half-life ~350 steps), so one bad stretch does
 # not keep speculation off for good. Recovery this slow against learning that fast bounds the
@@ -433,7 +433,7 @@ class Controller:
     at most 1): choosing the requests whose acceptance estimate is high picks some that are
     high by chance, and the model's step times can be off, so on prose at one request the model
     predicted 1.1-1.2x where the steps realised ~0.9 of it, and at eight code requests it
-    predicted a gain for whole rounds of steps that ran 0.8-0.9x as fast as K = 0. And only
+    predicted a gain for whole rounds of steps that ran 0.69-0.96x as fast as K = 0. And only
     when what it saves over the requests' remaining tokens pays for the draft catching up on
     the positions it missed while idle (its share of a new prompt included): a short request
     does not pay back a long prompt's catch-up ("too_short").
