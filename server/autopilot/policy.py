@@ -44,6 +44,12 @@ _PRIOR_RATE = 0.5
 _REALISED_WEIGHT = 0.05
 _REALISED_MAX_WEIGHT = 0.5
 _REALISED_RECOVERY = 0.002
+# A probe's catch-up is paid from this share of the time spent at K = 0 since the last probe
+# (or since speculation stopped). The draft catches up on every request's whole context: on a
+# 2-core CPU, two 80-token prose contexts took ~2.5 s, seven plain steps, and rounds of prose at
+# two requests with probes 16-64 steps apart ran at 0.89-0.95x of K = 0. At 2%, probes cost at
+# most 2% of the time speculation is off, at the price of a later probe (there, ~2 minutes).
+_PROBE_CATCH_UP_BUDGET = 0.02
 # Output tokens a request is expected to still produce, at most, when pricing the draft's
 # catch-up against what speculation saves: a large max_tokens is a cap, not a promise (EOS).
 _HORIZON_TOKENS = 256
@@ -439,9 +445,10 @@ class Controller:
     does not pay back a long prompt's catch-up ("too_short").
     While K stays 0 nothing is verified, so every probe interval one step runs the best K >= 1
     to let acceptance show it recovered, if even perfect acceptance could pay back that step's
-    catch-up (otherwise the probe could not change the answer). The interval doubles while
-    probes leave K at 0 (overhead ~1/interval where speculation never pays), resets when it
-    resumes.
+    catch-up (otherwise the probe could not change the answer) and the catch-up fits in a
+    budget of 2% of the time spent off since the last probe (it is the probe's main cost: the
+    draft catches up on every request's context). The interval doubles while probes leave K
+    at 0 (overhead ~1/interval where speculation never pays), resets when it resumes.
     """
 
     def __init__(
@@ -467,6 +474,7 @@ class Controller:
         self._probe_interval = probe_interval_steps
         self._calibration_steps = 0
         self._off_steps = 0  # K = 0 steps since speculation stopped or since the last probe
+        self._off_seconds = 0.0  # their predicted time
         # batch size -> measured over predicted speedup of its steady speculating steps
         self._realised: dict[int, float] = {}
 
@@ -512,10 +520,11 @@ class Controller:
         expected = speedup * self.realised_fraction(batch)
         paying = expected >= 1.0 + self._min_gain
         if paying and _pays_back(catch_up, left, throughput[0], throughput[0] * expected):
-            self._off_steps = 0
+            self._off_steps, self._off_seconds = 0, 0.0
             self._probe_interval = self._base_interval
             return Decision(best, self._caps(tokens, best, throughput[best]), None, speedup, False)
         self._off_steps += 1
+        self._off_seconds += self._cost.predict(batch, 0)
         if batch in self._realised:
             self._realised[batch] += _REALISED_RECOVERY * (1.0 - self._realised[batch])
         if paying:
@@ -525,7 +534,7 @@ class Controller:
         else:
             reason = "not_paying"
         if self._probe_due(reason, batch, catch_up, left, throughput[0]):
-            self._off_steps = 0
+            self._off_steps, self._off_seconds = 0, 0.0
             self._probe_interval = min(2 * self._probe_interval, self._max_interval)
             return Decision(best, dict.fromkeys(request_ids, best), None, speedup, True)
         return Decision(0, dict.fromkeys(request_ids, 0), reason, 1.0, False)
@@ -556,6 +565,8 @@ class Controller:
     ) -> bool:
         if reason == "too_short":
             return False  # acceptance is known to pay; the tokens left are what is short
+        if catch_up > _PROBE_CATCH_UP_BUDGET * self._off_seconds:
+            return False
         if reason == "batch_too_large":
             # Acceptance is not in doubt (it would pay alone) and a probe at this batch is the
             # costliest kind (every request's draft catches up, every request verifies): only

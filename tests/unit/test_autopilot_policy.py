@@ -370,6 +370,20 @@ def test_no_probe_when_even_perfect_acceptance_could_not_pay_back_the_catch_up()
     assert [d.probing for d in near].count(True) == 1
 
 
+def test_a_probe_waits_until_its_catch_up_fits_in_two_percent_of_the_time_off() -> None:
+    cost = calibrated_with_catch_up(CPU)
+    controller = Controller(K_MAX, cost, tracker_with_acceptance(0.1))
+    behind = 200  # every probe catches the draft up on 200 positions (0.8 s)
+    decisions = [controller.choose(["r"], {"r": behind}, {"r": 256}) for _ in range(1200)]
+    probes = [i for i, d in enumerate(decisions) if d.probing]
+    # Off steps that pay for one catch-up at 2% of their time (~400, not the interval's 16).
+    steps_per_probe = cost.catch_up_seconds(behind) / (0.02 * cost.predict(1, 0))
+    assert steps_per_probe > 100
+    assert len(probes) >= 2
+    for earlier, later in itertools.pairwise([-1, *probes]):
+        assert steps_per_probe - 1 <= later - earlier <= steps_per_probe + 1
+
+
 # 8. Calibration.
 
 
