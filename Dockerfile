@@ -75,14 +75,20 @@ FROM runtime AS cpu
 COPY --from=build-cpu /opt/specserve /opt/specserve
 COPY --from=models --chown=1000:1000 /models /models
 # HF_HOME: hub downloads (models given as org/name) land in the cache volume too.
+# SPECSERVE_HOST: a container listens on every interface, so the server refuses
+# to start without SPECSERVE_API_KEY_FILE unless SPECSERVE_ALLOW_UNAUTHENTICATED=true
+# says open access is meant.
 ENV PATH=/opt/specserve/bin:$PATH \
     PYTHONUNBUFFERED=1 \
+    SPECSERVE_HOST=0.0.0.0 \
     SPECSERVE_CACHE_DIR=/models \
     HF_HOME=/models/huggingface
 USER 1000:1000
 WORKDIR /home/specserve
 VOLUME ["/models"]
 EXPOSE 8000
+# /metrics (SPECSERVE_METRICS_PORT), apart from the API.
+EXPOSE 9400
 # The first start pulls and converts the default pair (~5 min) unless baked.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=10m --retries=3 \
     CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('SPECSERVE_PORT', '8000') + '/health', timeout=4)"]
@@ -103,6 +109,7 @@ COPY --from=build-gpu /opt/specserve /opt/specserve
 COPY --from=models --chown=1000:1000 /models /models
 ENV PATH=/opt/specserve/bin:$PATH \
     PYTHONUNBUFFERED=1 \
+    SPECSERVE_HOST=0.0.0.0 \
     SPECSERVE_CACHE_DIR=/models \
     HF_HOME=/models/huggingface \
     NVIDIA_VISIBLE_DEVICES=all \
@@ -111,6 +118,8 @@ USER 1000:1000
 WORKDIR /home/specserve
 VOLUME ["/models"]
 EXPOSE 8000
+# /metrics (SPECSERVE_METRICS_PORT), apart from the API.
+EXPOSE 9400
 HEALTHCHECK --interval=30s --timeout=5s --start-period=10m --retries=3 \
     CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('SPECSERVE_PORT', '8000') + '/health', timeout=4)"]
 ENTRYPOINT ["tini", "--", "specserve"]

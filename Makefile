@@ -44,8 +44,9 @@ $(HELM):
 # Prometheus server and promtool for the monitoring tests (Debian package),
 # and helm for the chart tests.
 tools: $(HELM)
-	command -v promtool >/dev/null || { apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+	command -v promtool >/dev/null && command -v redis-server >/dev/null || { \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		--no-install-recommends prometheus redis-server; }
 
 # Real image build and run (scripts/image_test.py); needs root, Debian's
 # docker.io and debootstrap. Not part of `make test`: see README "Deployment".

@@ -62,9 +62,15 @@ def _pair(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--b-label", default="B")
     parser.add_argument("--a-body", type=_json_object, default={}, help=BODY_HELP)
     parser.add_argument("--b-body", type=_json_object, default={}, help=BODY_HELP)
+    parser.add_argument("--a-metrics-url", help=METRICS_HELP)
+    parser.add_argument("--b-metrics-url", help=METRICS_HELP)
 
 
 BODY_HELP = "JSON object merged into every request body (e.g. a per-request option)"
+METRICS_HELP = (
+    "the server's Prometheus metrics, for speculation figures (default: <url>/metrics; "
+    "specserve serves them on its --metrics-port, e.g. http://127.0.0.1:9400/metrics)"
+)
 # What the runner sets itself: a body may not change what is measured or how.
 RUNNER_FIELDS = {"model", "prompt", "messages", "suffix", "stream", "stream_options", "max_tokens"}
 
@@ -87,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--url", required=True)
     run.add_argument("--label", default="server")
     run.add_argument("--body", type=_json_object, default={}, help=BODY_HELP)
+    run.add_argument("--metrics-url", help=METRICS_HELP)
     run.add_argument("--concurrency", type=int, help="closed loop: requests always in flight")
     _common(run)
     compare = commands.add_parser("compare", help="two servers in alternating rounds")
@@ -152,7 +159,14 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
 async def _open(
     args: argparse.Namespace, options: Options, pairs: list[tuple[str, str, dict[str, Any]]]
 ) -> list[Server]:
-    servers = [await open_server(label, url, options, body) for label, url, body in pairs]
+    if args.command == "run":
+        metrics_urls = {args.label: args.metrics_url}
+    else:
+        metrics_urls = {args.a_label: args.a_metrics_url, args.b_label: args.b_metrics_url}
+    servers = [
+        await open_server(label, url, options, body, metrics_urls[label])
+        for label, url, body in pairs
+    ]
     items = workloads.load(args.workload)
     for server in servers:
         await warm_up(server, items, args.warmup, options)

@@ -122,10 +122,11 @@ def speculative_tokens(text: str) -> int | None:
     return int(max(v for _, v in values)) if values else None
 
 
-async def scrape(client: httpx.AsyncClient) -> str | None:
-    """The server's /metrics text, or None if it has none or refuses."""
+async def scrape(client: httpx.AsyncClient, url: str = "/metrics") -> str | None:
+    """The server's metrics text (`url`: a path on its base URL, or a URL of its own),
+    or None if it has none or refuses."""
     try:
-        response = await client.get("/metrics")
+        response = await client.get(url)
     except httpx.HTTPError:
         return None
     return response.text if response.status_code == 200 else None

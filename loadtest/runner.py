@@ -83,10 +83,17 @@ class Server:
     # Each block of requests (one per round): output tokens and seconds, so
     # alternating rounds can be compared pair by pair.
     blocks: list[dict[str, float]] = field(default_factory=list)
+    # Where its Prometheus metrics are: a path on `url`, or a URL of its own
+    # (specserve serves them on a port apart from the API).
+    metrics_url: str = "/metrics"
 
 
 async def open_server(
-    label: str, url: str, options: Options, extra_body: dict[str, Any] | None = None
+    label: str,
+    url: str,
+    options: Options,
+    extra_body: dict[str, Any] | None = None,
+    metrics_url: str | None = None,
 ) -> Server:
     headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
     client = httpx.AsyncClient(
@@ -103,7 +110,9 @@ async def open_server(
         response.raise_for_status()
         model = str(response.json()["data"][0]["id"])
     server = Server(label, url, client, model, extra_body=extra_body or {})
-    text = await promscrape.scrape(client)
+    if metrics_url is not None:
+        server.metrics_url = metrics_url
+    text = await promscrape.scrape(client, server.metrics_url)
     if text is not None:
         server.speculative_tokens = promscrape.speculative_tokens(text)
     return server
@@ -136,7 +145,7 @@ async def run_block(
     clock: Callable[[], float] = time.perf_counter,
 ) -> None:
     """Send `count` requests, or keep sending for `seconds`; wait for all to end."""
-    before = await promscrape.scrape(server.client)
+    before = await promscrape.scrape(server.client, server.metrics_url)
     first = len(server.records)
     start = clock()
     deadline = start + seconds if seconds is not None else math.inf
@@ -187,7 +196,7 @@ async def run_block(
     server.duration += seconds_taken
     tokens = sum(r.output_tokens for r in server.records[first:] if r.success)
     server.blocks.append({"output_tokens": tokens, "duration_s": seconds_taken})
-    after = await promscrape.scrape(server.client)
+    after = await promscrape.scrape(server.client, server.metrics_url)
     if before is not None and after is not None:
         old, new = promscrape.parse(before), promscrape.parse(after)
         if old is not None and new is not None:

@@ -277,7 +277,9 @@ def _start_recording(args: argparse.Namespace) -> Path:
 def _serve(
     args: argparse.Namespace, engine_extra: list[str], record: Path, name: str, flags: list[str]
 ) -> subprocess.Popen[bytes]:
+    # /metrics on the API port, where loadtest reads the speculation counters by default.
     command = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(PORT)]
+    command += ["--metrics-port", str(PORT)]
     command += [*flags, "--max-num-seqs", str(args.max_num_seqs)]
     if args.kv_cache_gib is not None:
         command += ["--kv-cache-gib", str(args.kv_cache_gib)]

@@ -173,6 +173,7 @@ def main() -> None:
         "--dtype", "bfloat16", "--kv-cache-gib", str(args.kv_cache_gib),
         "--max-num-seqs", str(args.max_num_seqs),
     ]  # fmt: skip
+    # Each server's /metrics on its API port, where loadtest reads them by default.
     serve = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1"]
     with record.open("a") as commands:
         commands.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: {' '.join(sys.argv)}\n")
@@ -185,14 +186,15 @@ def main() -> None:
 
     plain, _ = _start(
         "specserve-no-spec",
-        [*serve, "--port", "8302", "--no-speculation", *engine],
+        [*serve, "--port", "8302", "--metrics-port", "8302", "--no-speculation", *engine],
         env,
         8302,
         logs,
     )
     try:
         if not args.skip_speculation:
-            spec_flags = ["--port", "8301", "--speculation", "fixed", *engine]
+            spec_flags = ["--port", "8301", "--metrics-port", "8301", "--speculation", "fixed"]
+            spec_flags += engine
             spec, _ = _start("specserve-spec", [*serve, *spec_flags], env, 8301, logs)
             try:
                 for workload in args.workloads:

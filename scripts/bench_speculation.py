@@ -109,7 +109,8 @@ def _run(
     concurrency: list[int],
     log_dir: Path | None,
 ) -> Result:
-    command = [sys.executable, "-m", "server", "serve", "--port", str(port), *serve_args]
+    command = [sys.executable, "-m", "server", "serve", "--port", str(port)]
+    command += ["--metrics-port", str(port), *serve_args]  # no second port to collide
     print(f"[{label}] {' '.join(command)}", flush=True)
     log_file = None
     if log_dir is not None:

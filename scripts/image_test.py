@@ -154,10 +154,17 @@ def main() -> int:
         # Readable by the image's unprivileged user (safetensors writes 0600 files).
         for path in (work, model, *model.iterdir()):
             path.chmod(0o755 if path.is_dir() else 0o644)
+        # Without a key file the image listens on every interface only when told to.
+        refused = subprocess.run(
+            ["docker", "run", "--rm", args.tag, "serve"], capture_output=True, text=True
+        )
+        assert refused.returncode == 2, refused
+        assert "refusing to serve 0.0.0.0 without --api-key-file" in refused.stderr, refused
         subprocess.run(["docker", "rm", "-f", CONTAINER], capture_output=True)
         run(
             "docker", "run", "-d", "--name", CONTAINER, "--shm-size", "1g",
             "-p", f"127.0.0.1:{HOST_PORT}:8000", "-v", f"{model}:/srv/tiny:ro",
+            "-e", "SPECSERVE_ALLOW_UNAUTHENTICATED=true",
             args.tag, "serve", "--model", "/srv/tiny", "--draft-model", "/srv/tiny",
             "--served-model-name", "tiny", "--dtype", "float32", "--kv-cache-gib", "1",
             "--max-model-len", "512",

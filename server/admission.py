@@ -39,19 +39,26 @@ class AdmissionController:
     def idle(self) -> bool:
         return self.running == 0 and not self._waiters
 
-    async def acquire(self) -> None:
-        """Take a slot, waiting in line if need be; raise `OverloadedError`
-        when the line is full or the wait exceeds the queue timeout."""
+    def try_acquire(self) -> bool:
+        """Take a free slot if one is free and nobody waits for it, without waiting."""
         if self.running < self.max_concurrent and not self._waiters:
             self.running += 1
             RUNNING.set(self.running)
             QUEUE_WAIT.observe(0.0)
+            return True
+        return False
+
+    async def acquire(self) -> None:
+        """Take a slot, waiting in line if need be; raise `OverloadedError`
+        when the line is full or the wait exceeds the queue timeout."""
+        if self.try_acquire():
             return
         if len(self._waiters) >= self.max_queued:
             REFUSED.labels("queue_full").inc()
             raise OverloadedError(
                 f"The server is at capacity ({self.running} requests running, "
-                f"{len(self._waiters)} waiting); retry later",
+                f"{len(self._waiters)} waiting: --max-concurrent-requests, "
+                "--max-queued-requests); retry later",
                 headers={"Retry-After": str(self.retry_after_seconds())},
             )
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -65,7 +72,8 @@ class AdmissionController:
             self._give_up(waiter)
             REFUSED.labels("queue_timeout").inc()
             raise OverloadedError(
-                f"No engine slot freed up within {self.queue_timeout_seconds:g} s; retry later",
+                f"No engine slot freed up within {self.queue_timeout_seconds:g} s "
+                "(--queue-timeout-seconds); retry later",
                 headers={"Retry-After": str(self.retry_after_seconds())},
             ) from None
         except asyncio.CancelledError:

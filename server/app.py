@@ -9,6 +9,7 @@ FastAPI's 422), unknown routes and anything unexpected (500, logged).
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,13 +21,16 @@ from server.admission import AdmissionController
 from server.api import chat, completions, create_response, health, metrics, models
 from server.api.admission import AdmissionMiddleware
 from server.api.auth import ApiKeyMiddleware
-from server.api.body_limit import BodySizeLimitMiddleware
+from server.api.body_limit import BodyLimitsMiddleware
 from server.api.instrumentation import RequestMetricsMiddleware
+from server.api.metrics import MetricsPortMiddleware
 from server.api.request_id import RequestIdMiddleware
 from server.api.responses import CLIENT_CLOSED_REQUEST
-from server.auth import KeyRing
+from server.auth import ApiKeys
 from server.config import (
+    DEFAULT_BODY_READ_TIMEOUT_SECONDS,
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONCURRENT_BODY_READS,
     DEFAULT_MAX_CONCURRENT_REQUESTS,
     DEFAULT_MAX_QUEUED_REQUESTS,
     DEFAULT_QUEUE_TIMEOUT_SECONDS,
@@ -40,7 +44,8 @@ from server.errors import (
     error_statuses,
 )
 from server.lifecycle import Lifecycle
-from server.rate_limit import RateLimiter
+from server.rate_limit import RateLimiter, TenantRateLimiter
+from server.rate_limit_redis import RedisRateLimiter
 
 
 def _validation_error(exc: RequestValidationError) -> InvalidRequestError:
@@ -66,9 +71,15 @@ def create_app(
     engine: Engine,
     *,
     baseline_tpot_seconds: float | None = None,
-    api_keys: KeyRing | None = None,
+    api_keys: ApiKeys | None = None,
     metrics_need_key: bool = False,
+    public_docs: bool = False,
+    rate_limit_store: str | None = None,
+    rate_limit_on_store_failure: Literal["open", "closed"] = "open",
+    metrics_port: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_concurrent_body_reads: int = DEFAULT_MAX_CONCURRENT_BODY_READS,
+    body_read_timeout_seconds: float = DEFAULT_BODY_READ_TIMEOUT_SECONDS,
     admission: AdmissionController | None = None,
     request_timeout_seconds: float | None = None,
     lifecycle: Lifecycle | None = None,
@@ -77,7 +88,10 @@ def create_app(
 
     `baseline_tpot_seconds` is the measured no-speculation time per output
     token, exported for the slower-than-baseline alert; `api_keys` None means
-    open access; `admission` None means the default bounds;
+    open access (a reload of its file updates the tenants' rate limits too);
+    `rate_limit_store` a Redis URL holding the rate limits, None this process;
+    `metrics_port` None serves /metrics with the API, else on that port only (the
+    process runner listens on both); `admission` None means the default bounds;
     `request_timeout_seconds` None means no deadline. The process runner
     shares `lifecycle` to drain and stop the server.
     """
@@ -93,6 +107,7 @@ def create_app(
         server_metrics.describe_server(
             engine.info(), baseline_tpot_seconds, [*error_statuses(), CLIENT_CLOSED_REQUEST]
         )
+        server_metrics.track_engine_requests(engine.unfinished_requests)
         watchdog = asyncio.create_task(lifecycle.watch_engine(engine))
         try:
             yield
@@ -100,6 +115,7 @@ def create_app(
             watchdog.cancel()
             await asyncio.gather(watchdog, return_exceptions=True)
             await engine.stop()
+            await rate_limiter.close()
 
     app = FastAPI(title="specserve", lifespan=lifespan)
     app.state.engine = engine
@@ -107,12 +123,28 @@ def create_app(
     app.state.request_timeout_seconds = request_timeout_seconds
     # The last added runs first: every refusal below is counted and carries
     # the request id.
-    rate_limiter = RateLimiter(api_keys.limits if api_keys is not None else {})
+    limits = api_keys.ring.limits if api_keys is not None else {}
+    rate_limiter: TenantRateLimiter = (
+        RateLimiter(limits)
+        if rate_limit_store is None
+        else RedisRateLimiter(rate_limit_store, limits, rate_limit_on_store_failure)
+    )
+    if api_keys is not None:
+        api_keys.on_change(lambda ring: rate_limiter.set_limits(ring.limits))
     app.add_middleware(
         AdmissionMiddleware, lifecycle=lifecycle, admission=admission, rate_limiter=rate_limiter
     )
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
-    app.add_middleware(ApiKeyMiddleware, keys=api_keys, metrics_need_key=metrics_need_key)
+    app.add_middleware(
+        BodyLimitsMiddleware,
+        max_bytes=max_body_bytes,
+        max_concurrent_reads=max_concurrent_body_reads,
+        read_timeout_seconds=body_read_timeout_seconds,
+    )
+    app.add_middleware(
+        ApiKeyMiddleware, keys=api_keys, metrics_need_key=metrics_need_key, public_docs=public_docs
+    )
+    if metrics_port is not None:
+        app.add_middleware(MetricsPortMiddleware, metrics_port=metrics_port)
     app.add_middleware(RequestMetricsMiddleware)
     app.add_middleware(RequestIdMiddleware)
     for module in (completions, chat, create_response, models, health, metrics):

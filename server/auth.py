@@ -6,16 +6,32 @@ an entry may also set the tenant's `requests_per_minute` and
 Keys are kept only as SHA-256 digests and checked in constant time against
 every entry, so neither the comparison nor its early exit leaks a key. A
 tenant name becomes a metrics label, so the set stays as small as the file.
+
+Keys rotate without a restart: `ApiKeys` holds the ring in force and swaps in
+the file's contents whole on SIGHUP (the process runner calls `reload`) and
+when the file changes (`watch` polls it; a Kubernetes Secret update swaps the
+mounted file). A file that does not load leaves the old keys in force and the
+reason in the log. A request is checked once, when it arrives, so requests
+already running are untouched by a rotation.
 """
 
+import asyncio
 import hashlib
 import hmac
 import json
+import logging
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from server.config import ConfigError
 from server.rate_limit import TenantLimits
+
+logger = logging.getLogger(__name__)
+
+# How often `ApiKeys.watch` looks at the key file; a rotation takes effect within this.
+KEY_FILE_POLL_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -42,6 +58,54 @@ class KeyRing:
     @property
     def tenants(self) -> set[str]:
         return {entry.tenant for entry in self._entries}
+
+
+class ApiKeys:
+    """The key ring in force, and the file it is reloaded from (None: fixed keys)."""
+
+    def __init__(self, ring: KeyRing, path: Path | None = None) -> None:
+        self.ring = ring
+        self._path = path
+        self._listeners: list[Callable[[KeyRing], None]] = []
+        self._file_state = _file_state(path) if path is not None else None
+
+    def on_change(self, listener: Callable[[KeyRing], None]) -> None:
+        """Call `listener` with each newly loaded ring (the rate limiter's limits)."""
+        self._listeners.append(listener)
+
+    def reload(self) -> bool:
+        """Load the key file and put it in force; a bad file keeps the current keys."""
+        if self._path is None:
+            logger.info("no api key file to reload")
+            return False
+        self._file_state = _file_state(self._path)
+        try:
+            ring = load_key_ring(self._path)
+        except ConfigError as exc:
+            logger.error("api key file not reloaded, the previous keys stay in force: %s", exc)
+            return False
+        self.ring = ring  # one assignment: a request sees the old ring or the new one
+        for listener in self._listeners:
+            listener(ring)
+        logger.info("api keys reloaded: %d tenants", len(ring.tenants))
+        return True
+
+    async def watch(self, interval_seconds: float = KEY_FILE_POLL_SECONDS) -> None:
+        """Reload whenever the key file changes (its inode, size or modification time)."""
+        if self._path is None:
+            return
+        while True:
+            await asyncio.sleep(interval_seconds)
+            if _file_state(self._path) != self._file_state:
+                self.reload()
+
+
+def _file_state(path: Path) -> tuple[int, int, int] | None:
+    try:
+        stat = os.stat(path)  # follows the symlink a mounted Secret swaps
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
 def _digest(key: str) -> bytes:

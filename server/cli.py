@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from server.config import ConfigError, Settings
-from server.logs import configure_logging
+from server.logs import configure_logging, configure_root_logging, route_output_as_json
 from server.models.embedded import ModelPullError
 
 logger = logging.getLogger(__name__)
@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--host", {}),
     ("--port", {"type": int}),
+    ("--metrics-port", {"type": int}),
     ("--model", {}),
     ("--draft-model", {}),
     ("--speculation", {"choices": ["auto", "fixed"]}),
@@ -40,7 +41,11 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--tensor-parallel-size", {"type": int}),
     ("--baseline-tpot-seconds", {"type": float}),
     ("--api-key-file", {}),
+    ("--allow-unauthenticated", {"action": "store_true"}),
     ("--metrics-need-key", {"action": "store_true"}),
+    ("--public-docs", {"action": "store_true"}),
+    ("--rate-limit-store", {}),
+    ("--rate-limit-on-store-failure", {"choices": ["open", "closed"]}),
     ("--max-body-bytes", {"type": int}),
     ("--max-concurrent-requests", {"type": int}),
     ("--max-queued-requests", {"type": int}),
@@ -78,19 +83,27 @@ def _parser() -> argparse.ArgumentParser:
 def _serve(settings: Settings) -> int:
     from server.admission import AdmissionController
     from server.app import create_app
-    from server.auth import load_key_ring
+    from server.auth import ApiKeys, load_key_ring
     from server.engine.resolve import resolve
     from server.engine.vllm_engine import VllmEngine
     from server.lifecycle import Lifecycle
     from server.runner import run
 
-    # A bad key file fails before minutes of model pulling and loading.
+    # Open access and a bad key file fail before minutes of model pulling and loading.
     keys = None
+    if settings.open_access_refused:
+        raise ConfigError(
+            f"refusing to serve {settings.host} without --api-key-file: anyone who can reach "
+            "it could use the API; give --api-key-file, listen on 127.0.0.1, or pass "
+            "--allow-unauthenticated to serve it open"
+        )
     if settings.api_key_file is None:
-        logger.warning("no --api-key-file: the API is open to anyone who can reach it")
+        logger.warning(
+            "no --api-key-file: the API is open to anyone who can reach %s", settings.host
+        )
     else:
-        keys = load_key_ring(settings.api_key_file)
-        logger.info("API keys loaded for %d tenants", len(keys.tenants))
+        keys = ApiKeys(load_key_ring(settings.api_key_file), settings.api_key_file)
+        logger.info("API keys loaded for %d tenants", len(keys.ring.tenants))
     engine_config = resolve(settings)
     logger.info(
         "serving %s (draft %s, method %s, speculation %s, K=%d)",
@@ -106,12 +119,19 @@ def _serve(settings: Settings) -> int:
         settings.queue_timeout_seconds,
     )
     lifecycle = Lifecycle()
+    metrics_port = None if settings.metrics_port == settings.port else settings.metrics_port
     app = create_app(
         VllmEngine(engine_config),
         baseline_tpot_seconds=settings.baseline_tpot_seconds,
         api_keys=keys,
         metrics_need_key=settings.metrics_need_key,
+        public_docs=settings.public_docs,
+        rate_limit_store=settings.rate_limit_store,
+        rate_limit_on_store_failure=settings.rate_limit_on_store_failure,
+        metrics_port=metrics_port,
         max_body_bytes=settings.max_body_bytes,
+        max_concurrent_body_reads=settings.max_concurrent_body_reads,
+        body_read_timeout_seconds=settings.body_read_timeout_seconds,
         admission=admission,
         request_timeout_seconds=settings.request_timeout_seconds,
         lifecycle=lifecycle,
@@ -120,9 +140,13 @@ def _serve(settings: Settings) -> int:
         app,
         host=settings.host,
         port=settings.port,
+        metrics_port=metrics_port,
         lifecycle=lifecycle,
         admission=admission,
         drain_timeout_seconds=settings.drain_timeout_seconds,
+        max_connections=settings.max_connections,
+        keep_alive_timeout_seconds=settings.keep_alive_timeout_seconds,
+        api_keys=keys,
     )
 
 
@@ -138,7 +162,7 @@ def _models(settings: Settings, command: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    configure_logging("text")
+    configure_root_logging("text")  # until the settings say which format
     args = vars(_parser().parse_args(argv))
     command = args.pop("command")
     models_command = args.pop("models_command", None)
@@ -146,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings(**args)
         configure_logging(settings.log_format)
         if command == "serve":
+            if settings.log_format == "json":
+                route_output_as_json()
             return _serve(settings)
         else:
             _models(settings, models_command)

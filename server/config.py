@@ -5,6 +5,7 @@ override them. Unsafe or impossible combinations are refused here, before any
 weights load, with a message that names the setting.
 """
 
+import ipaddress
 from pathlib import Path
 from typing import Literal
 
@@ -22,6 +23,16 @@ DEFAULT_SPECULATION_MAX_BATCH_SIZE = 1
 DEFAULT_MAX_SPECULATIVE_TOKENS_AUTO = 4
 # Far above a full 32k-token prompt as JSON; bounds what one client can make us buffer.
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+# Bodies being read at once, each up to the size limit: what slow senders can make us hold.
+DEFAULT_MAX_CONCURRENT_BODY_READS = 64
+# A body arrives in milliseconds from a healthy client; one trickling it in frees its read slot.
+DEFAULT_BODY_READ_TIMEOUT_SECONDS = 30.0
+# Connections uvicorn serves at once (idle keep-alive ones included): far above the queue's
+# 80 requests, a bound on sockets and tasks rather than on work.
+DEFAULT_MAX_CONNECTIONS = 1024
+# Longer than the usual 60 s idle timeout of load balancers, so the balancer closes an idle
+# connection first and never sends a request down one we are closing.
+DEFAULT_KEEP_ALIVE_TIMEOUT_SECONDS = 65
 # Admission: as many requests in the engine as it batches by default, and a
 # line of four batches behind them; past that, clients get a fast 503.
 DEFAULT_MAX_CONCURRENT_REQUESTS = 16
@@ -31,6 +42,8 @@ DEFAULT_QUEUE_TIMEOUT_SECONDS = 60.0
 DEFAULT_REQUEST_TIMEOUT_SECONDS = 600.0
 # Kubernetes' default terminationGracePeriodSeconds.
 DEFAULT_DRAIN_TIMEOUT_SECONDS = 30.0
+# A port of its own for /metrics (exporters commonly use the 9xxx range).
+DEFAULT_METRICS_PORT = 9400
 
 
 class Settings(BaseSettings):
@@ -38,8 +51,19 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SPECSERVE_", extra="ignore")
 
-    host: str = Field("0.0.0.0", description="Address to listen on.")
+    host: str = Field(
+        "127.0.0.1",
+        description="Address to listen on. Without --api-key-file only a loopback address, "
+        "unless --allow-unauthenticated.",
+    )
     port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on.")
+    metrics_port: int = Field(
+        DEFAULT_METRICS_PORT,
+        ge=1,
+        le=65535,
+        description="Port of GET /metrics, on --host, apart from the API so a public "
+        "listener never shows it; the same as --port serves it on the API port.",
+    )
     model: str | None = Field(
         None,
         description="Target model: a local Hugging Face folder or a hub id. "
@@ -109,13 +133,56 @@ class Settings(BaseSettings):
     api_key_file: Path | None = Field(
         None,
         description='JSON file of API keys and their tenants: {"keys": [{"key": "...", '
-        '"tenant": "..."}]}. Unset: open access.',
+        '"tenant": "..."}]}. Unset: open access, refused on a non-loopback --host '
+        "unless --allow-unauthenticated.",
+    )
+    allow_unauthenticated: bool = Field(
+        False,
+        description="Serve without --api-key-file on a non-loopback --host: anyone who can "
+        "reach the port can use the API.",
+    )
+    rate_limit_store: str | None = Field(
+        None,
+        pattern=r"^(redis|rediss|unix)://",
+        description="redis://host:port/db: keep tenants' rate-limit buckets in this Redis, "
+        "so every replica using it enforces one limit together. Unset: in this process.",
+    )
+    rate_limit_on_store_failure: Literal["open", "closed"] = Field(
+        "open",
+        description="While the rate-limit store is unreachable: open admits without limits, "
+        "closed refuses with 503 (both with a warning and a metric).",
     )
     max_body_bytes: int = Field(
         DEFAULT_MAX_BODY_BYTES, ge=1024, description="Largest request body accepted (413 above)."
     )
+    max_concurrent_body_reads: int = Field(
+        DEFAULT_MAX_CONCURRENT_BODY_READS,
+        ge=1,
+        description="Request bodies read at once; past it, 503 with Retry-After.",
+    )
+    body_read_timeout_seconds: float = Field(
+        DEFAULT_BODY_READ_TIMEOUT_SECONDS,
+        gt=0,
+        description="Longest time a request body may take to arrive (408 past it).",
+    )
+    max_connections: int = Field(
+        DEFAULT_MAX_CONNECTIONS,
+        ge=1,
+        description="Connections served at once, idle keep-alive ones included; past it, "
+        "uvicorn answers 503 (plain text) before the app sees the request.",
+    )
+    keep_alive_timeout_seconds: int = Field(
+        DEFAULT_KEEP_ALIVE_TIMEOUT_SECONDS,
+        ge=1,
+        description="An idle keep-alive connection is closed after this many seconds.",
+    )
     metrics_need_key: bool = Field(
         False, description="Require an API key on /metrics too (it is open by default)."
+    )
+    public_docs: bool = Field(
+        False,
+        description="Serve /docs and /openapi.json without a key when --api-key-file is set "
+        "(by default they need one then, like the API).",
     )
     baseline_tpot_seconds: float | None = Field(
         None,
@@ -196,11 +263,29 @@ class Settings(BaseSettings):
     def uses_embedded_pair(self) -> bool:
         return self.model is None
 
+    @property
+    def open_access_refused(self) -> bool:
+        """No key file, a --host others can reach, and no --allow-unauthenticated."""
+        return (
+            self.api_key_file is None
+            and not self.allow_unauthenticated
+            and not _is_loopback(self.host)
+        )
+
 
 def _looks_like_path(value: str) -> bool:
     """A hub id is `org/name`; anything that exists locally or is spelled as a
     path (absolute, relative with a dot, home-relative) is a folder."""
     return Path(value).expanduser().exists() or value.startswith(("/", ".", "~"))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name may resolve to any interface
 
 
 class ConfigError(Exception):

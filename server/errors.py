@@ -84,6 +84,14 @@ class PayloadTooLargeError(APIError):
     code = "request_too_large"
 
 
+class BodyReadTimeoutError(APIError):
+    """The client did not finish sending its body in time."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_body_timeout"
+
+
 class ContextLengthExceededError(InvalidRequestError):
     code = "context_length_exceeded"
 

@@ -54,6 +54,10 @@ QUEUED = Gauge(
     "specserve_requests_queued", "Generation requests waiting for an engine slot (queue depth)"
 )
 RUNNING = Gauge("specserve_requests_running", "Generation requests holding an engine slot")
+# Read from the engine at each scrape (see track_engine_requests).
+ENGINE_REQUESTS = Gauge(
+    "specserve_engine_requests", "Requests the engine holds, waiting or running"
+)
 QUEUE_WAIT = Histogram(
     "specserve_queue_wait_seconds",
     "Time a generation request waited for an engine slot",
@@ -63,6 +67,10 @@ REFUSED = Counter(
     "specserve_requests_refused_total",
     "Generation requests refused before reaching the engine, by reason",
     ["reason"],
+)
+RATE_LIMIT_STORE_FAILURES = Counter(
+    "specserve_rate_limit_store_failures_total",
+    "Rate-limit decisions made without the shared store (Redis unreachable)",
 )
 TTFT = Histogram(
     "specserve_time_to_first_token_seconds", "Request arrival to first generated token",
@@ -178,6 +186,12 @@ DRAFT_CAUGHT_UP_TOKENS = Counter(
     "Tokens the draft prefilled when speculation resumed after K=0 steps",
     ["model"],
 )  # fmt: skip
+
+
+def track_engine_requests(unfinished_requests: Callable[[], int]) -> None:
+    """specserve_engine_requests reads this at every scrape: a request the front end has
+    finished with but the engine still holds shows there."""
+    ENGINE_REQUESTS.set_function(unfinished_requests)
 
 
 def describe_server(

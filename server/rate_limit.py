@@ -11,6 +11,9 @@ holds back that tenant's next requests until the debt has refilled.
 Responses carry OpenAI's headers: `x-ratelimit-limit-*`, `x-ratelimit-remaining-*`
 and `x-ratelimit-reset-*` (time until the bucket is full again, as "6m0s",
 "1.5s", "20ms"); a refusal adds `Retry-After` in whole seconds.
+
+`RateLimiter` keeps the buckets in this process; `rate_limit_redis` keeps the
+same buckets in Redis, shared by every replica. Both are a `TenantRateLimiter`.
 """
 
 import math
@@ -18,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from server.errors import RateLimitError
 from server.metrics import REFUSED
@@ -29,10 +33,27 @@ class TenantLimits:
     tokens_per_minute: int | None = None
 
 
-class _Bucket:
-    def __init__(self, per_minute: int, now: float) -> None:
+class TenantRateLimiter(Protocol):
+    async def admit(self, tenant: str) -> dict[str, str]:
+        """Count one request for `tenant`, or raise `RateLimitError` (429); returns the
+        rate-limit headers for the response."""
+
+    async def charge_tokens(self, tenant: str, count: int) -> None:
+        """Take the tokens of a finished request from the tenant's token bucket."""
+
+    def set_limits(self, limits: dict[str, TenantLimits]) -> None:
+        """Put new limits in force (a reloaded key file)."""
+
+    async def close(self) -> None:
+        """Let go of what it holds outside the process (connections) at shutdown."""
+
+
+class Bucket:
+    """One limit: its allowance per minute and what is left of it now."""
+
+    def __init__(self, per_minute: int, now: float, level: float | None = None) -> None:
         self.per_minute = per_minute
-        self.level = float(per_minute)
+        self.level = float(per_minute) if level is None else level
         self._updated = now
 
     def refill(self, now: float) -> None:
@@ -58,44 +79,40 @@ class RateLimiter:
         self, limits: dict[str, TenantLimits], clock: Callable[[], float] = time.monotonic
     ) -> None:
         self._clock = clock
-        now = clock()
-        self._requests = {
-            tenant: _Bucket(limit.requests_per_minute, now)
-            for tenant, limit in limits.items()
-            if limit.requests_per_minute is not None
-        }
-        self._tokens = {
-            tenant: _Bucket(limit.tokens_per_minute, now)
-            for tenant, limit in limits.items()
-            if limit.tokens_per_minute is not None
-        }
+        self._requests: dict[str, Bucket] = {}
+        self._tokens: dict[str, Bucket] = {}
         # Token charges arrive from request teardown; keep updates whole.
         self._lock = threading.Lock()
+        self.set_limits(limits)
 
-    def admit(self, tenant: str) -> dict[str, str]:
-        """Count one request for `tenant`, or raise `RateLimitError` (429);
-        returns the rate-limit headers for the response."""
+    async def close(self) -> None:
+        return None  # all in this process
+
+    def set_limits(self, limits: dict[str, TenantLimits]) -> None:
+        """Put new limits in force (a reloaded key file): a tenant whose limit is unchanged
+        keeps its bucket as it is; a new or changed limit starts full; others go."""
+        with self._lock:
+            now = self._clock()
+            self._requests = _buckets(
+                self._requests, {t: v.requests_per_minute for t, v in limits.items()}, now
+            )
+            self._tokens = _buckets(
+                self._tokens, {t: v.tokens_per_minute for t, v in limits.items()}, now
+            )
+
+    async def admit(self, tenant: str) -> dict[str, str]:
         with self._lock:
             now = self._clock()
             requests, tokens = self._requests.get(tenant), self._tokens.get(tenant)
             for bucket in (requests, tokens):
                 if bucket is not None:
                     bucket.refill(now)
-            headers = {}
-            if requests is not None:
-                headers.update(requests.headers("requests"))
-            if tokens is not None:
-                headers.update(tokens.headers("tokens"))
-            if requests is not None and requests.level < 1:
-                _refuse(tenant, "requests", requests, headers)
-            if tokens is not None and tokens.level < 1:
-                _refuse(tenant, "tokens", tokens, headers)
+            refuse_if_empty(tenant, requests, tokens)
             if requests is not None:
                 requests.level -= 1
-                headers.update(requests.headers("requests"))
-            return headers
+            return headers(requests, tokens)
 
-    def charge_tokens(self, tenant: str, count: int) -> None:
+    async def charge_tokens(self, tenant: str, count: int) -> None:
         with self._lock:
             bucket = self._tokens.get(tenant)
             if bucket is not None:
@@ -103,18 +120,45 @@ class RateLimiter:
                 bucket.level -= count
 
 
-def _refuse(tenant: str, kind: str, bucket: _Bucket, headers: dict[str, str]) -> None:
-    REFUSED.labels(f"rate_limit_{kind}").inc()
-    wait = bucket.seconds_until(1)
-    used = bucket.per_minute - math.floor(bucket.level)
-    short = "RPM" if kind == "requests" else "TPM"
-    raise RateLimitError(
-        f"Rate limit reached for tenant {tenant} on {kind} per min ({short}): "
-        f"Limit {bucket.per_minute}, Used {used}, Requested 1. "
-        f"Please try again in {format_duration(wait)}.",
-        kind=kind,
-        headers={**headers, "Retry-After": str(max(1, math.ceil(wait)))},
-    )
+def _buckets(
+    current: dict[str, Bucket], per_minute: dict[str, int | None], now: float
+) -> dict[str, Bucket]:
+    return {
+        tenant: current[tenant]
+        if tenant in current and current[tenant].per_minute == limit
+        else Bucket(limit, now)
+        for tenant, limit in per_minute.items()
+        if limit is not None
+    }
+
+
+def headers(requests: Bucket | None, tokens: Bucket | None) -> dict[str, str]:
+    """The response's rate-limit headers for a tenant's buckets (None: no such limit)."""
+    result = {}
+    for kind, bucket in (("requests", requests), ("tokens", tokens)):
+        if bucket is not None:
+            result.update(bucket.headers(kind))
+    return result
+
+
+def refuse_if_empty(tenant: str, requests: Bucket | None, tokens: Bucket | None) -> None:
+    """Raise the 429 for the first empty bucket (requests, then tokens), counted."""
+    for kind, bucket in (("requests", requests), ("tokens", tokens)):
+        if bucket is not None and bucket.level < 1:
+            REFUSED.labels(f"rate_limit_{kind}").inc()
+            wait = bucket.seconds_until(1)
+            used = bucket.per_minute - math.floor(bucket.level)
+            short = "RPM" if kind == "requests" else "TPM"
+            raise RateLimitError(
+                f"Rate limit reached for tenant {tenant} on {kind} per min ({short}): "
+                f"Limit {bucket.per_minute}, Used {used}, Requested 1. "
+                f"Please try again in {format_duration(wait)}.",
+                kind=kind,
+                headers={
+                    **headers(requests, tokens),
+                    "Retry-After": str(max(1, math.ceil(wait))),
+                },
+            )
 
 
 def format_duration(seconds: float) -> str:

@@ -5,6 +5,7 @@ requests get 503, admitted ones finish for up to the drain timeout, then
 uvicorn shuts down and the process exits 0. uvicorn alone would stop
 listening at once and re-raise the signal after shutdown (exit status 143).
 A second signal stops at once. A dead engine stops the process with status 1.
+SIGHUP reloads the API key file (which is also polled for changes).
 """
 
 import asyncio
@@ -19,6 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from server.admission import AdmissionController
+from server.auth import ApiKeys
 from server.lifecycle import Lifecycle
 
 logger = logging.getLogger(__name__)
@@ -35,18 +37,31 @@ class _DrainingServer(uvicorn.Server):
         lifecycle: Lifecycle,
         admission: AdmissionController,
         drain_timeout_seconds: float,
+        api_keys: ApiKeys | None,
     ) -> None:
         super().__init__(config)
         self._lifecycle = lifecycle
         self._admission = admission
         self._drain_timeout_seconds = drain_timeout_seconds
+        self._api_keys = api_keys
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         self._start(self._stop_when_requested())
+        # Without a handler SIGHUP would kill the process; with no key file it only logs.
+        self._loop.add_signal_handler(signal.SIGHUP, self._reload_keys)
+        if self._api_keys is not None:
+            self._start(self._api_keys.watch())
         await super().serve(sockets)
+
+    def _reload_keys(self) -> None:
+        logger.info("received SIGHUP: reloading the API key file")
+        if self._api_keys is None:
+            logger.info("no --api-key-file: nothing to reload")
+        else:
+            self._api_keys.reload()
 
     async def _stop_when_requested(self) -> None:
         await self._lifecycle.stop_requested.wait()
@@ -74,11 +89,17 @@ def run(
     *,
     host: str,
     port: int,
+    metrics_port: int | None,
     lifecycle: Lifecycle,
     admission: AdmissionController,
     drain_timeout_seconds: float,
+    max_connections: int,
+    keep_alive_timeout_seconds: int,
+    api_keys: ApiKeys | None = None,
 ) -> int:
-    """Serve until drained or the engine dies; return the exit status."""
+    """Serve until drained or the engine dies; return the exit status. With a
+    `metrics_port`, one server listens on both ports (the app tells them apart);
+    `api_keys` reload from their file on SIGHUP and when it changes."""
     # log_config=None: uvicorn's loggers (access log included) go through the
     # root handler, so every line carries the request id.
     config = uvicorn.Config(
@@ -88,7 +109,14 @@ def run(
         log_level="info",
         log_config=None,
         timeout_graceful_shutdown=_AFTER_DRAIN_SECONDS,
+        limit_concurrency=max_connections,
+        timeout_keep_alive=keep_alive_timeout_seconds,
     )
-    server = _DrainingServer(config, lifecycle, admission, drain_timeout_seconds)
-    server.run()
+    server = _DrainingServer(config, lifecycle, admission, drain_timeout_seconds, api_keys)
+    sockets = None
+    if metrics_port is not None:
+        metrics = uvicorn.Config(app, host=host, port=metrics_port, log_config=None)
+        sockets = [config.bind_socket(), metrics.bind_socket()]
+        logger.info("metrics on http://%s:%d/metrics", host, metrics_port)
+    server.run(sockets)
     return lifecycle.exit_status

@@ -3,22 +3,28 @@ limits, then admission control, in that order.
 
 A request refused here never reaches the engine: 503 while the server drains
 or is at capacity, 429 when its tenant is over its limits, each with
-`Retry-After`. An admitted request holds its engine slot until its response,
-streamed or not, has ended, and then its tokens are charged to its tenant.
+`Retry-After`. A request waiting in line for a slot watches its connection:
+if the client hangs up, it leaves the line at once (499 in the metrics) and
+its place goes to the next. An admitted request holds its engine slot until
+its response, streamed or not, has ended, and then its tokens are charged to
+its tenant.
 """
 
+import asyncio
 import time
 
 from starlette.datastructures import MutableHeaders
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.admission import AdmissionController
 from server.api.auth import tenant
+from server.api.responses import CLIENT_CLOSED_REQUEST
 from server.errors import APIError, ShuttingDownError
 from server.lifecycle import Lifecycle
 from server.metrics import GENERATION_ENDPOINTS, REFUSED, RequestObserver
-from server.rate_limit import RateLimiter
+from server.rate_limit import TenantRateLimiter
 
 _OBSERVER = "specserve_observer"
 # Long enough for a load balancer to stop sending us traffic.
@@ -31,7 +37,7 @@ class AdmissionMiddleware:
         app: ASGIApp,
         lifecycle: Lifecycle,
         admission: AdmissionController,
-        rate_limiter: RateLimiter,
+        rate_limiter: TenantRateLimiter,
     ) -> None:
         self.app = app
         self.lifecycle = lifecycle
@@ -54,10 +60,14 @@ class AdmissionMiddleware:
                     "The server is shutting down; retry on another replica",
                     headers={"Retry-After": _DRAINING_RETRY_AFTER_SECONDS},
                 )
-            limit_headers = self.rate_limiter.admit(request_tenant)
-            await self.admission.acquire()
+            limit_headers = await self.rate_limiter.admit(request_tenant)
+            admitted_receive = await self._take_slot(receive)
         except APIError as exc:
             await exc.to_response()(scope, receive, send)
+            return
+        if admitted_receive is None:
+            REFUSED.labels("client_disconnected").inc()
+            await Response(status_code=CLIENT_CLOSED_REQUEST)(scope, receive, send)
             return
 
         async def send_with_limits(message: Message) -> None:
@@ -67,13 +77,51 @@ class AdmissionMiddleware:
 
         started = time.perf_counter()
         try:
-            await self.app(scope, receive, send_with_limits)
+            await self.app(scope, admitted_receive, send_with_limits)
         finally:
             self.admission.release(time.perf_counter() - started)
             observer: RequestObserver | None = scope.get("state", {}).get(_OBSERVER)
             if observer is not None:
                 tokens = observer.prompt_tokens + observer.output_tokens
-                self.rate_limiter.charge_tokens(request_tenant, tokens)
+                await self.rate_limiter.charge_tokens(request_tenant, tokens)
+
+    async def _take_slot(self, receive: Receive) -> Receive | None:
+        """Take an engine slot, watching the connection while in line for one. Returns what
+        the app receives from (the messages read while waiting, then the client's), or None
+        when the client hung up first; raises the admission's refusals."""
+        if self.admission.try_acquire():
+            return receive
+        heard: list[Message] = []
+
+        async def until_hung_up() -> None:
+            while True:
+                heard.append(await receive())
+                if heard[-1]["type"] == "http.disconnect":
+                    return
+
+        waiting = asyncio.ensure_future(self.admission.acquire())
+        watching = asyncio.ensure_future(until_hung_up())
+        try:
+            await asyncio.wait({waiting, watching}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # Leaving the line gives the place (or a slot handed over meanwhile) to the next.
+            if not waiting.done():
+                waiting.cancel()
+            watching.cancel()
+            await asyncio.gather(waiting, watching, return_exceptions=True)
+        if waiting.cancelled():
+            return None
+        waiting.result()  # a refusal (line full, queue timeout) raises here
+        return _replaying(heard, receive)
+
+
+def _replaying(heard: list[Message], receive: Receive) -> Receive:
+    """Receive the messages read while waiting, in order, then the client's."""
+
+    async def replay() -> Message:
+        return heard.pop(0) if heard else await receive()
+
+    return replay
 
 
 def record_usage(request: Request, observer: RequestObserver) -> None:

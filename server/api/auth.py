@@ -1,28 +1,39 @@
 """ASGI middleware: `Authorization: Bearer <key>` on the API routes.
 
 Health and metrics stay open (metrics only while `metrics_need_key` is off)
-so probes and scrapers need no secret. The tenant of the key, or "anonymous"
-when no keys are configured, goes into the request state for metrics.
+so probes and scrapers need no secret. The API's documentation (/docs,
+/openapi.json) needs a key like the API unless `public_docs`. The tenant of
+the key, or "anonymous" when no keys are configured, goes into the request
+state for metrics.
 """
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.auth import KeyRing
+from server.auth import ApiKeys
 from server.errors import AuthenticationError
 from server.metrics import ANONYMOUS_TENANT
 
 TENANT = "specserve_tenant"
+# FastAPI's interactive documentation and the schema it reads.
+DOCS_PATHS = {"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
 
 
 class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, keys: KeyRing | None, metrics_need_key: bool) -> None:
+    def __init__(
+        self, app: ASGIApp, keys: ApiKeys | None, metrics_need_key: bool, public_docs: bool
+    ) -> None:
         self.app = app
         self.keys = keys
         self.metrics_need_key = metrics_need_key
+        self.public_docs = public_docs
 
     def _protected(self, path: str) -> bool:
-        return path.startswith("/v1/") or (self.metrics_need_key and path == "/metrics")
+        return (
+            path.startswith("/v1/")
+            or (self.metrics_need_key and path == "/metrics")
+            or (not self.public_docs and path in DOCS_PATHS)
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -30,7 +41,7 @@ class ApiKeyMiddleware:
             return
         tenant = ANONYMOUS_TENANT
         if self.keys is not None and self._protected(scope["path"]):
-            found = self.keys.tenant_for(_bearer(Request(scope)))
+            found = self.keys.ring.tenant_for(_bearer(Request(scope)))
             if found is None:
                 response = AuthenticationError(
                     "Incorrect or missing API key: send `Authorization: Bearer <key>`"

@@ -165,6 +165,10 @@ class Engine(Protocol):
 
     async def check_health(self) -> bool: ...
 
+    def unfinished_requests(self) -> int:
+        """Requests the engine holds, waiting or running: 0 once every request has ended or
+        been aborted (what a leak would leave above 0)."""
+
     def autopilot_state(self) -> dict[str, Any] | None:
         """What the speculation autopilot measured and decided last (its cost
         model, acceptance by position, K and why); None without it."""

@@ -67,4 +67,5 @@ def resolve(settings: Settings) -> EngineConfig:
         max_num_seqs=settings.max_num_seqs,
         tensor_parallel_size=settings.tensor_parallel_size,
         tool_call_parser=settings.tool_call_parser,
+        progress_bars=settings.log_format == "text",
     )

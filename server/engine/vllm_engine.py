@@ -78,6 +78,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # GPUs the target is split across
     tool_call_parser: str = "hermes"  # vLLM's name of the parser for the target's calls
     speculation_mode: Literal["auto", "fixed"] = "auto"
+    # vLLM's weight-loading progress bars: for a terminal, not for a log pipeline.
+    progress_bars: bool = True
     # Tests only: K forced per engine step ("0x4,3x4,1": K for so many steps, cycled).
     speculation_script: str | None = None
 
@@ -171,6 +173,7 @@ class VllmEngine:
             # Compiled mode starts ~140 s slower on CPU for 3-7% more speed.
             enforce_eager=on_cpu,
             disable_log_stats=False,
+            use_tqdm_on_load=config.progress_bars,
         )
         self._llm = AsyncLLM.from_engine_args(args)
         self._tokenizer = AutoTokenizer.from_pretrained(config.model)
@@ -310,6 +313,9 @@ class VllmEngine:
         if self._feed is not None:
             self._feed.close()
             self._feed = None
+
+    def unfinished_requests(self) -> int:
+        return 0 if self._llm is None else int(self._llm.get_num_unfinished_requests())
 
     def autopilot_state(self) -> dict[str, Any] | None:
         if self._feed is None:

@@ -22,6 +22,8 @@ from pydantic_core import ErrorDetails
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+# OpenAI states none; each stop string is looked for in the new text of every step.
+MAX_STOP_LENGTH = 256
 MAX_TOOLS = 128  # OpenAI's limit
 # logit_bias entries: OpenAI's API reference states no cap; 300 is the one OpenAI is
 # reported to enforce, and plenty for banning or forcing a handful of words.
@@ -29,6 +31,7 @@ MAX_LOGIT_BIAS = 300
 # A logit_bias key: a token id as OpenAI spells it, decimal without sign or leading zeros.
 TokenIdKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]*)$")]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_LENGTH)]
 
 
 def _optional_properties_accept_null(schema: dict[str, Any]) -> None:
@@ -118,7 +121,9 @@ class SamplingFields(StrictRequest):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES)] | None = (
+        None
+    )
     # The engine carries seeds as signed 64-bit integers.
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stream: bool = False

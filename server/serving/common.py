@@ -160,7 +160,11 @@ async def _merged(
             async for output in outputs:
                 yield 0, output
         return
-    queue: asyncio.Queue[tuple[int, EngineOutput | Exception | None]] = asyncio.Queue()
+    # Bounded: while the client reads slowly, the producers wait here and the engine's own
+    # per-request collector merges the deltas they have not taken, so nothing piles up.
+    queue: asyncio.Queue[tuple[int, EngineOutput | Exception | None]] = asyncio.Queue(
+        maxsize=len(requests)
+    )
 
     async def produce(position: int, request: GenerationRequest) -> None:
         try:

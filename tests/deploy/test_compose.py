@@ -61,6 +61,9 @@ def test_specserve_keeps_models_on_a_volume_and_drains(service: str) -> None:
     assert specserve["shm_size"]
     (port,) = specserve["ports"]
     assert port["target"] == Settings.model_fields["port"].default
+    # Open access only because the published port is the host's loopback.
+    assert port["host_ip"] == "127.0.0.1"
+    assert specserve["environment"]["SPECSERVE_ALLOW_UNAUTHENTICATED"] == "true"
 
 
 def test_bind_mounts_exist_and_prometheus_uses_the_project_config() -> None:
@@ -75,7 +78,7 @@ def test_bind_mounts_exist_and_prometheus_uses_the_project_config() -> None:
     prometheus = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     (job,) = prometheus["scrape_configs"]
     assert job["static_configs"][0]["targets"] == [
-        f"specserve:{Settings.model_fields['port'].default}"
+        f"specserve:{Settings.model_fields['metrics_port'].default}"
     ]
     assert prometheus["rule_files"] == ["rules.yml"]
 

@@ -67,8 +67,12 @@ def test_final_image_is_unprivileged_healthchecked_with_a_model_volume(stage: st
     (volume,) = instructions(stage, "VOLUME")
     env = " ".join(instructions(stage, "ENV"))
     assert volume == 'VOLUME ["/models"]' and "SPECSERVE_CACHE_DIR=/models" in env
+    # Every interface, so without a key file the server refuses to start unless the
+    # container is told open access is meant (the image never says so itself).
+    assert "SPECSERVE_HOST=0.0.0.0" in env and "ALLOW_UNAUTHENTICATED" not in env
     assert instructions(stage, "ENTRYPOINT") == ['ENTRYPOINT ["tini", "--", "specserve"]']
     assert f"EXPOSE {Settings.model_fields['port'].default}" in stages()[stage]
+    assert f"EXPOSE {Settings.model_fields['metrics_port'].default}" in stages()[stage]
 
 
 @pytest.mark.parametrize("stage", FINAL_STAGES)

@@ -49,8 +49,13 @@ def ci_values(name: str) -> Path:
     return path
 
 
+def deployment(manifests: Manifests, name: str = FULLNAME) -> dict[str, Any]:
+    (found,) = [m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"] == name]
+    return found
+
+
 def container(manifests: Manifests) -> dict[str, Any]:
-    containers = only(manifests, "Deployment")["spec"]["template"]["spec"]["containers"]
+    containers = deployment(manifests)["spec"]["template"]["spec"]["containers"]
     assert len(containers) == 1
     result: dict[str, Any] = containers[0]
     return result
@@ -60,8 +65,13 @@ def env(manifests: Manifests) -> dict[str, str]:
     return {item["name"]: item["value"] for item in container(manifests)["env"]}
 
 
+def service(manifests: Manifests, name: str) -> dict[str, Any]:
+    (found,) = [m for m in manifests if m["kind"] == "Service" and m["metadata"]["name"] == name]
+    return found
+
+
 def pod_spec(manifests: Manifests) -> dict[str, Any]:
-    spec: dict[str, Any] = only(manifests, "Deployment")["spec"]["template"]["spec"]
+    spec: dict[str, Any] = deployment(manifests)["spec"]["template"]["spec"]
     return spec
 
 
@@ -139,15 +149,16 @@ def test_probes_use_health_ready_and_give_startup_time_for_the_model(rendered: R
     startup = main["startupProbe"]
     # First start pulls and converts the embedded pair (~5 min) and loads it (~1 min).
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 15 * 60
-    port = main["ports"][0]
-    assert port["name"] == "http"
-    assert env(rendered())["SPECSERVE_PORT"] == str(port["containerPort"])
-    service = only(rendered(), "Service")
-    assert service["spec"]["ports"][0]["targetPort"] == "http"
-    assert (
-        service["spec"]["selector"]
-        == only(rendered(), "Deployment")["spec"]["selector"]["matchLabels"]
-    )
+    ports = {port["name"]: port["containerPort"] for port in main["ports"]}
+    assert env(rendered())["SPECSERVE_PORT"] == str(ports["http"])
+    assert env(rendered())["SPECSERVE_METRICS_PORT"] == str(ports["metrics"])
+    pods = only(rendered(), "Deployment")["spec"]["selector"]["matchLabels"]
+    # The API Service never exposes /metrics; a Service of its own does, in the cluster.
+    api, metrics = service(rendered(), FULLNAME), service(rendered(), f"{FULLNAME}-metrics")
+    assert [p["targetPort"] for p in api["spec"]["ports"]] == ["http"]
+    assert [p["targetPort"] for p in metrics["spec"]["ports"]] == ["metrics"]
+    assert metrics["spec"]["type"] == "ClusterIP"
+    assert api["spec"]["selector"] == metrics["spec"]["selector"] == pods
 
 
 @pytest.mark.parametrize("values", [None, *CI_VALUES], ids=lambda v: v.name if v else "default")
@@ -197,7 +208,7 @@ def test_multi_gpu_scales_on_queue_depth_of_its_own_pods(rendered: Render) -> No
     assert trigger["type"] == "prometheus"
     query = trigger["metadata"]["query"]
     assert query.startswith("sum(specserve_requests_queued{")
-    assert f'namespace="{NAMESPACE}"' in query and f'service="{FULLNAME}"' in query
+    assert f'namespace="{NAMESPACE}"' in query and f'service="{FULLNAME}-metrics"' in query
     assert "replicas" not in only(manifests, "Deployment")["spec"]
 
 
@@ -216,6 +227,7 @@ def test_chart_api_keys_secret_is_a_key_file_the_server_loads(
     (mount,) = [m for m in container(manifests)["volumeMounts"] if m["name"] == volume["name"]]
     assert mount["readOnly"] is True
     assert env(manifests)["SPECSERVE_API_KEY_FILE"] == f"{mount['mountPath']}/{file_name}"
+    assert "SPECSERVE_ALLOW_UNAUTHENTICATED" not in env(manifests)
     annotations = only(manifests, "Deployment")["spec"]["template"]["metadata"]["annotations"]
     assert "checksum/api-keys" in annotations
 
@@ -228,11 +240,48 @@ def test_existing_api_keys_secret_is_mounted_not_created(rendered: Render) -> No
     assert "SPECSERVE_API_KEY_FILE" in env(manifests)
 
 
-def test_without_api_keys_nothing_secret_is_wired(rendered: Render) -> None:
+def test_without_api_keys_nothing_secret_is_wired_and_open_access_is_explicit(
+    rendered: Render,
+) -> None:
     manifests = rendered()
     assert "Secret" not in kinds(manifests)
     assert "SPECSERVE_API_KEY_FILE" not in env(manifests)
+    # The server refuses a non-loopback host without keys unless told open access is meant.
+    assert env(manifests)["SPECSERVE_HOST"] == "0.0.0.0"
+    assert env(manifests)["SPECSERVE_ALLOW_UNAUTHENTICATED"] == "true"
     assert not [v for v in pod_spec(manifests)["volumes"] if "secret" in v]
+
+
+def test_the_chart_s_redis_holds_the_rate_limits_of_every_replica(rendered: Render) -> None:
+    manifests = rendered(ci_values("shared-limits"))
+    redis = deployment(manifests, f"{FULLNAME}-redis")
+    redis_service = service(manifests, f"{FULLNAME}-redis")
+    assert env(manifests)["SPECSERVE_RATE_LIMIT_STORE"] == f"redis://{FULLNAME}-redis:6379/0"
+    assert env(manifests)["SPECSERVE_RATE_LIMIT_ON_STORE_FAILURE"] == "closed"
+    (redis_container,) = redis["spec"]["template"]["spec"]["containers"]
+    assert redis_container["image"] == "redis:7.4.2-alpine"
+    assert redis_container["args"][-2:] == ["--maxmemory-policy", "volatile-ttl"]
+    assert redis_service["spec"]["ports"][0]["port"] == 6379
+    # Each selector picks its own pods only: the API never routes to Redis, nor Redis to the API.
+    redis_pods = redis["spec"]["template"]["metadata"]["labels"]
+    api_pods = deployment(manifests)["spec"]["template"]["metadata"]["labels"]
+    for selector, pods, other in [
+        (redis_service["spec"]["selector"], redis_pods, api_pods),
+        (service(manifests, FULLNAME)["spec"]["selector"], api_pods, redis_pods),
+        (only(manifests, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"], api_pods,
+         redis_pods),
+    ]:  # fmt: skip
+        assert selector.items() <= pods.items()
+        assert not selector.items() <= other.items()
+
+
+def test_rate_limits_point_at_a_given_redis_or_stay_per_pod(rendered: Render) -> None:
+    url = "redis://limits.example:6379/2"
+    given = rendered(**{"rateLimits.store": url, "redis.enabled": "true"})
+    assert env(given)["SPECSERVE_RATE_LIMIT_STORE"] == url
+    assert env(given)["SPECSERVE_RATE_LIMIT_ON_STORE_FAILURE"] == "open"
+    assert [m["metadata"]["name"] for m in given if m["kind"] == "Deployment"] == [FULLNAME]
+    assert "SPECSERVE_RATE_LIMIT_STORE" not in env(rendered())
 
 
 def test_model_cache_volume_per_type(rendered: Render) -> None:
@@ -285,17 +334,17 @@ def test_prometheus_rule_is_deploy_prometheus_rules(rendered: Render, tmp_path: 
     assert check.returncode == 0, check.stdout + check.stderr
 
 
-def test_service_monitor_scrapes_the_service_as_job_specserve(rendered: Render) -> None:
+def test_service_monitor_scrapes_the_metrics_service_as_job_specserve(rendered: Render) -> None:
     manifests = rendered(ci_values("monitoring"))
     monitor = only(manifests, "ServiceMonitor")
-    service = only(manifests, "Service")
-    assert (
-        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
-    )
+    metrics = service(manifests, f"{FULLNAME}-metrics")
+    selector = monitor["spec"]["selector"]["matchLabels"].items()
+    assert selector <= metrics["metadata"]["labels"].items()
+    assert not selector <= service(manifests, FULLNAME)["metadata"]["labels"].items()
     # The SpecserveDown alert matches up{job="specserve"}.
-    assert service["metadata"]["labels"][monitor["spec"]["jobLabel"]] == "specserve"
+    assert metrics["metadata"]["labels"][monitor["spec"]["jobLabel"]] == "specserve"
     (endpoint,) = monitor["spec"]["endpoints"]
-    assert endpoint["port"] == service["spec"]["ports"][0]["name"]
+    assert endpoint["port"] == metrics["spec"]["ports"][0]["name"]
     assert endpoint["path"] == "/metrics"
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
 
@@ -334,6 +383,19 @@ def test_notes_tell_how_to_reach_the_service() -> None:
     notes = result.stdout.split("NOTES:", 1)[1]
     assert f"port-forward svc/{FULLNAME} 8000:8000" in notes
     assert "apiKeys.enabled is false" in notes
+
+
+@pytest.mark.parametrize(("store", "warned"), [(None, True), ("redis.enabled=true", False)])
+def test_notes_warn_when_replicas_keep_rate_limits_per_pod(store: str | None, warned: bool) -> None:
+    sets = ["autoscaling.enabled=true", "apiKeys.enabled=true", "apiKeys.existingSecret=keys"]
+    sets += [store] if store else []
+    args = [arg for value in sets for arg in ("--set", value)]
+    result = helm(
+        "install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE, *args
+    )
+    assert result.returncode == 0, result.stderr
+    notes = result.stdout.split("NOTES:", 1)[1]
+    assert ("Rate limits are kept per pod" in notes) is warned
 
 
 def _leaf_keys(values: dict[str, Any], prefix: str = "") -> set[str]:

@@ -33,6 +33,7 @@ from tests.net import free_port, wait_until_up
 pytestmark = pytest.mark.e2e
 
 STARTUP_TIMEOUT_SECONDS = 900
+METRICS_PORT = free_port()
 MESSAGES = [{"role": "user", "content": "Write a Python function that reverses a string."}]
 
 
@@ -40,7 +41,7 @@ MESSAGES = [{"role": "user", "content": "Write a Python function that reverses a
 def base_url() -> Iterator[str]:
     port = free_port()
     command = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--dtype", "float32"]
+    command += ["--port", str(port), "--metrics-port", str(METRICS_PORT), "--dtype", "float32"]
     server = subprocess.Popen(
         command,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -99,7 +100,8 @@ def test_metrics_show_the_speculation(base_url: str, client: openai.OpenAI) -> N
     client.completions.create(
         model="qwen2.5-coder-1.5b-instruct", prompt="def fib(n):", max_tokens=16, temperature=0
     )
-    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    assert httpx.get(f"{base_url}/metrics", timeout=30).status_code == 404  # on its own port
+    text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=30).text
     samples = {
         line.split(" ")[0]: float(line.split(" ")[1])
         for line in text.splitlines()

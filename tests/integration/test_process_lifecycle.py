@@ -1,5 +1,6 @@
 """`specserve serve` as a real process on tiny models: SIGTERM drains, a dead
-engine exits non-zero.
+engine exits non-zero, SIGHUP rotates the API keys under a running stream (and
+with --log-format json every line the processes log is JSON).
 
 Timings are printed (run with `-s` to see them); nothing asserts on speed.
 """
@@ -27,30 +28,34 @@ pytestmark = pytest.mark.integration
 
 STARTUP_SECONDS = 300
 # Outlasts the signal by several seconds on the tiny model (600 tokens).
-LONG_BODY = {"model": "tiny", "prompt": "x", "max_tokens": 600, "temperature": 0}
+LONG_TOKENS = 600
+LONG_BODY = {"model": "tiny", "prompt": "x", "max_tokens": LONG_TOKENS, "temperature": 0}
 
 
 @dataclass
 class Process:
     popen: subprocess.Popen[str]
     base_url: str
+    metrics_url: str
     log: Path
 
 
-@pytest.fixture
-def serve_process(tiny: TinyModels, tmp_path: Path) -> Iterator[Process]:
-    port = free_port()
+@contextlib.contextmanager
+def _serving(tiny: TinyModels, tmp_path: Path, *flags: str) -> Iterator[Process]:
+    port, metrics_port = free_port(), free_port()
     log = tmp_path / "server.log"
     command = [
         sys.executable, "-m", "server", "serve",
         "--model", str(tiny.target), "--draft-model", str(tiny.close_draft),
         "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "2048",
-        "--kv-cache-gib", "1", "--host", "127.0.0.1", "--port", str(port),
-        "--drain-timeout-seconds", "120",
+        "--kv-cache-gib", "1", "--port", str(port), "--metrics-port", str(metrics_port),
+        "--drain-timeout-seconds", "120", *flags,
     ]  # fmt: skip
     with log.open("w") as out:
         popen = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True)
-    process = Process(popen, f"http://127.0.0.1:{port}", log)
+    process = Process(
+        popen, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", log
+    )
     try:
         wait_until_up(popen, f"{process.base_url}/ready", STARTUP_SECONDS, log)
         yield process
@@ -62,11 +67,19 @@ def serve_process(tiny: TinyModels, tmp_path: Path) -> Iterator[Process]:
             popen.wait()
 
 
-async def _stream(client: httpx.AsyncClient, started: asyncio.Event) -> list[dict[str, object]]:
+@pytest.fixture
+def serve_process(tiny: TinyModels, tmp_path: Path) -> Iterator[Process]:
+    # Every interface, open by choice: the flag that lifts the refusal works.
+    with _serving(tiny, tmp_path, "--host", "0.0.0.0", "--allow-unauthenticated") as process:
+        yield process
+
+
+async def _stream(
+    client: httpx.AsyncClient, started: asyncio.Event, max_tokens: int = LONG_TOKENS
+) -> list[dict[str, object]]:
     events = []
-    async with client.stream(
-        "POST", "/v1/completions", json={**LONG_BODY, "stream": True}
-    ) as response:
+    body = {**LONG_BODY, "max_tokens": max_tokens, "stream": True}
+    async with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():
             if line == "data: [DONE]":
@@ -96,8 +109,11 @@ async def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(
         for event in started:
             await asyncio.wait_for(event.wait(), timeout=60)
 
+        # /metrics is on its own port only.
+        assert (await client.get("/metrics")).status_code == 404
+
         async def all_admitted() -> bool:
-            text = (await client.get("/metrics")).text
+            text = (await client.get(serve_process.metrics_url)).text
             return "specserve_requests_running 3.0" in text.splitlines()
 
         async def not_ready() -> bool:
@@ -152,3 +168,63 @@ def test_a_dead_engine_turns_health_503_and_exits_non_zero(serve_process: Proces
         f"\nengine killed: exit status {exit_status} after {time.monotonic() - killed:.1f} s, "
         f"/health seen 503: {unhealthy}"
     )
+
+
+def _write_keys(path: Path, key: str) -> None:
+    path.write_text(json.dumps({"keys": [{"key": key, "tenant": "team"}]}))
+
+
+async def test_sighup_rotates_the_keys_and_leaves_running_streams_alone(
+    tiny: TinyModels, tmp_path: Path
+) -> None:
+    key_file = tmp_path / "keys.json"
+    _write_keys(key_file, "sk-before")
+    flags = ("--host", "127.0.0.1", "--api-key-file", str(key_file), "--log-format", "json")
+    with _serving(tiny, tmp_path, *flags) as process:
+        async with httpx.AsyncClient(base_url=process.base_url, timeout=300) as client:
+
+            async def status(key: str) -> int:
+                headers = {"Authorization": f"Bearer {key}"}
+                return (await client.get("/v1/models", headers=headers)).status_code
+
+            client.headers["Authorization"] = "Bearer sk-before"
+            started = asyncio.Event()
+            # Near the context length: still running when the keys change.
+            stream = asyncio.create_task(_stream(client, started, max_tokens=1900))
+            await asyncio.wait_for(started.wait(), timeout=60)
+            _write_keys(key_file, "sk-after")
+            process.popen.send_signal(signal.SIGHUP)
+
+            async def rotated() -> bool:
+                return await status("sk-after") == 200
+
+            await _wait_until(rotated, "the new key was not accepted after SIGHUP", 60)
+            assert not stream.done(), "the stream ended before the rotation"
+            assert await status("sk-before") == 401
+            key_file.write_text("not json")
+            process.popen.send_signal(signal.SIGHUP)
+
+            async def refused_logged() -> bool:
+                return "previous keys stay in force" in process.log.read_text()
+
+            await _wait_until(refused_logged, "the bad key file was not reported", 60)
+            assert await status("sk-after") == 200
+            events = await stream
+        assert process.popen.poll() is None
+    assert events[-1]["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
+    assert all("error" not in event for event in events)
+    # --log-format json: every line, vLLM's engine processes' included, is JSON.
+    lines = [line for line in process.log.read_text().splitlines() if line.strip()]
+    not_json = [line for line in lines if not _is_json_object(line)]
+    assert not not_json, not_json[:20]
+    loggers = {json.loads(line)["logger"] for line in lines}
+    assert {"server.auth", "uvicorn.error"} <= loggers and any(
+        name.startswith("vllm") for name in loggers
+    ), loggers
+
+
+def _is_json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False

@@ -45,6 +45,7 @@ def _serve(*flags: str) -> subprocess.CompletedProcess[str]:
         (["--num-speculative-tokens", "0"], "at least 1"),
         (["--model", "/does/not/exist", "--no-speculation"], "does not exist"),
         (["--draft-model", "./missing-draft"], "does not exist"),
+        (["--host", "0.0.0.0"], "refusing to serve 0.0.0.0 without --api-key-file"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(flags: list[str], words: str) -> None:

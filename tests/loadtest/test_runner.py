@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from loadtest import cli
-from loadtest.runner import Load, Options, Server, measure, run_block
+from loadtest.runner import Load, Options, Server, measure, open_server, run_block
 from loadtest.workloads import BUNDLED, RequestSequence, WorkItem, load_jsonl
 
 ITEMS = BUNDLED["prose"]
@@ -208,3 +208,41 @@ def test_bad_command_lines_exit_with_usage(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cli.parse(argv)
     assert exit_info.value.code == 2
+
+
+async def test_metrics_are_read_where_the_server_serves_them() -> None:
+    """specserve serves /metrics on a port apart from the API: a URL of its own."""
+    scraped: list[str] = []
+    drafts = [0]
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET" and request.url.path == "/metrics":
+            scraped.append(str(request.url))
+            drafts[0] += 3
+            text = (
+                "specserve_speculative_tokens 2.0\n"
+                f'specserve_spec_decode_drafts_total{{model="m"}} {drafts[0]}\n'
+                f'specserve_spec_decode_draft_tokens_total{{model="m"}} {2 * drafts[0]}\n'
+                f'specserve_spec_decode_accepted_tokens_total{{model="m"}} {drafts[0]}\n'
+            )
+            return httpx.Response(200, text=text)
+        if request.url.port != 8000:
+            return httpx.Response(404)
+        return await Scripted("s", []).handler(request)
+
+    transport, real_client = httpx.MockTransport(handler), httpx.AsyncClient
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            "loadtest.runner.httpx.AsyncClient",
+            lambda **kwargs: real_client(transport=transport, **kwargs),
+        )
+        server = await open_server(
+            "s", "http://t:8000", Options(model="m"), metrics_url="http://t:9400/metrics"
+        )
+    await run_block(
+        server, RequestSequence(ITEMS, 0), 2, None, Load(concurrency=1), Options(),
+        random.Random(0), 0.0, None,
+    )  # fmt: skip
+    assert set(scraped) == {"http://t:9400/metrics"}
+    assert server.speculative_tokens == 2
+    assert server.speculation is not None and server.speculation.drafts == 3

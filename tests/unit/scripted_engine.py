@@ -68,6 +68,7 @@ class ScriptedEngine:
         self.healthy = True
         self.aborted: list[str] = []
         self.requests: list[GenerationRequest] = []
+        self.unfinished = 0
         self.rendered_messages: list[dict[str, Any]] = []
         self.rendered_tools: list[dict[str, Any]] | None = None
 
@@ -112,6 +113,7 @@ class ScriptedEngine:
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
         self.validate(request)
         self.requests.append(request)
+        self.unfinished += 1
         options = request.sampling
         texts = {i: "" for i in range(options.n)}
         finished_choices: set[int] = set()
@@ -153,9 +155,13 @@ class ScriptedEngine:
                 if done:
                     return
         finally:
+            self.unfinished -= 1
             # Like the vLLM adapter: a consumer leaving early aborts the request.
             if not done:
                 self.aborted.append(request.request_id)
+
+    def unfinished_requests(self) -> int:
+        return self.unfinished
 
     async def check_health(self) -> bool:
         return self.healthy

@@ -4,17 +4,23 @@ drain/readiness lifecycle, over the real app and a scripted engine."""
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+import logging.config
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import httpx
 import pytest
 from fastapi import FastAPI
+from starlette.types import Message, Receive, Scope, Send
 
 from server.admission import AdmissionController
+from server.api.admission import AdmissionMiddleware
 from server.app import create_app
 from server.errors import OverloadedError
 from server.lifecycle import Lifecycle
-from server.logs import JsonFormatter
+from server.logs import JsonFormatter, configure_logging
+from server.rate_limit import RateLimiter
 from tests.unit.scripted_engine import ScriptedEngine
 
 BODY = {"model": "scripted", "prompt": "a b", "max_tokens": 7}
@@ -35,6 +41,7 @@ async def test_slots_pass_to_waiters_in_arrival_order() -> None:
     with pytest.raises(OverloadedError) as refused:
         await admission.acquire()  # the line is full: refused at once
     assert refused.value.status == 503
+    assert "--max-queued-requests" in refused.value.message
     assert int(refused.value.headers["Retry-After"]) >= 1
     admission.release(1.0)
     await asyncio.sleep(0.01)
@@ -48,7 +55,7 @@ async def test_slots_pass_to_waiters_in_arrival_order() -> None:
 async def test_a_waiter_that_times_out_or_leaves_gives_up_its_place() -> None:
     admission = AdmissionController(1, 2, queue_timeout_seconds=0.05)
     await admission.acquire()
-    with pytest.raises(OverloadedError, match=r"within 0\.05 s"):
+    with pytest.raises(OverloadedError, match=r"within 0\.05 s \(--queue-timeout-seconds\)"):
         await admission.acquire()
     leaving = asyncio.create_task(admission.acquire())
     await asyncio.sleep(0.01)
@@ -187,3 +194,92 @@ def test_json_log_lines_carry_the_request_id() -> None:
     assert line["message"] == "done 3"
     assert line["request_id"] == "trace-1"
     assert line["level"] == "INFO"
+
+
+def test_json_logging_points_vllm_s_loggers_at_the_same_json_lines(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH", raising=False)
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
+    try:
+        configure_logging("json")
+    finally:
+        root.handlers[:], root.level = saved
+        logging.captureWarnings(False)
+    config = json.loads(Path(os.environ["VLLM_LOGGING_CONFIG_PATH"]).read_text())
+    # Applied as vLLM applies it in each of its processes, to a stand-in logger name.
+    config["loggers"] = {"vllm-stand-in": config["loggers"]["vllm"]}
+    logging.config.dictConfig(config)
+    logging.getLogger("vllm-stand-in").info("engine %s", "ready")
+    (line,) = capsys.readouterr().err.splitlines()
+    assert json.loads(line) | {"time": "-"} == {
+        "time": "-", "level": "INFO", "logger": "vllm-stand-in", "request_id": "-",
+        "message": "engine ready",
+    }  # fmt: skip
+
+
+class _Client:
+    """One request's side of ASGI: sends its body, then hangs up when told to."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self.hang_up = asyncio.Event()
+        self.sent: list[Message] = []
+
+    async def receive(self) -> Message:
+        if self.body:
+            body, self.body = self.body, b""
+            return {"type": "http.request", "body": body, "more_body": False}
+        await self.hang_up.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: Message) -> None:
+        self.sent.append(message)
+
+    @property
+    def status(self) -> int | None:
+        starts = [m for m in self.sent if m["type"] == "http.response.start"]
+        return starts[0]["status"] if starts else None
+
+
+async def _until(check: Callable[[], bool]) -> None:
+    for _ in range(10_000):  # bounded only to stop a hang
+        if check():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition never held")
+
+
+async def test_a_queued_request_whose_client_hangs_up_leaves_the_line_at_once() -> None:
+    admission = AdmissionController(1, 2, queue_timeout_seconds=30)
+    finish = asyncio.Event()
+    bodies: list[bytes] = []
+
+    async def engine_route(scope: Scope, receive: Receive, send: Send) -> None:
+        bodies.append((await receive())["body"])
+        await finish.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"done"})
+
+    app = AdmissionMiddleware(engine_route, Lifecycle(), admission, RateLimiter({}))
+
+    def call(client: _Client) -> "asyncio.Task[None]":
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+        return asyncio.create_task(app({**scope, "state": {}}, client.receive, client.send))
+
+    running, leaving, next_in_line = _Client(b"first"), _Client(b"second"), _Client(b"third")
+    calls = [call(running)]
+    await _until(lambda: admission.running == 1)
+    calls += [call(leaving), call(next_in_line)]
+    await _until(lambda: admission.queued == 2)
+    leaving.hang_up.set()
+    await calls[1]
+    assert leaving.status == 499
+    assert (admission.running, admission.queued) == (1, 1)
+    finish.set()
+    await asyncio.gather(calls[0], calls[2])
+    # The next in line got the slot, and its body, read while it waited, reached the route.
+    assert (running.status, next_in_line.status) == (200, 200)
+    assert bodies == [b"first", b"third"]
+    assert admission.idle

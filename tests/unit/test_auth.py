@@ -1,5 +1,6 @@
-"""API keys: who gets in, as which tenant, and what stays open."""
+"""API keys: who gets in, as which tenant, what stays open, and rotation without a restart."""
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -9,7 +10,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from server.app import create_app
-from server.auth import KeyRing, load_key_ring
+from server.auth import ApiKeys, KeyRing, load_key_ring
 from server.config import ConfigError
 from tests.unit.scripted_engine import ScriptedEngine
 
@@ -19,7 +20,9 @@ BODY = {"model": "scripted", "prompt": "a b", "max_tokens": 2}
 
 @pytest.fixture(params=[False, True], ids=["metrics-open", "metrics-need-key"])
 async def keyed(request: pytest.FixtureRequest) -> AsyncIterator[tuple[httpx.AsyncClient, bool]]:
-    app = create_app(ScriptedEngine(), api_keys=KeyRing(KEYS), metrics_need_key=request.param)
+    app = create_app(
+        ScriptedEngine(), api_keys=ApiKeys(KeyRing(KEYS)), metrics_need_key=request.param
+    )
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
         yield client, request.param
@@ -106,3 +109,69 @@ def test_bad_key_files_are_refused(tmp_path: Path, content: str, words: str) -> 
     path.write_text(content)
     with pytest.raises(ConfigError, match=words):
         load_key_ring(path)
+
+
+def _write_keys(path: Path, keys: dict[str, str]) -> None:
+    path.write_text(json.dumps({"keys": [{"key": k, "tenant": t} for k, t in keys.items()]}))
+
+
+async def test_a_reload_rotates_the_keys_and_a_bad_file_keeps_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "keys.json"
+    _write_keys(path, {"sk-old-key": "team-a"})
+    keys = ApiKeys(load_key_ring(path), path)
+    transport = httpx.ASGITransport(app=create_app(ScriptedEngine(), api_keys=keys))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+
+        async def status(key: str) -> int:
+            response = await client.post("/v1/completions", json=BODY, headers=bearer(key))
+            return response.status_code
+
+        assert await status("sk-old-key") == 200
+        _write_keys(path, {"sk-new-key": "team-a"})
+        assert keys.reload()
+        assert (await status("sk-old-key"), await status("sk-new-key")) == (401, 200)
+        for bad in ("not json", '{"keys": []}'):
+            path.write_text(bad)
+            with caplog.at_level("ERROR", logger="server.auth"):
+                assert not keys.reload()
+            assert "the previous keys stay in force" in caplog.text
+            assert await status("sk-new-key") == 200
+        path.unlink()
+        assert not keys.reload()
+        assert await status("sk-new-key") == 200
+
+
+async def test_the_watch_picks_up_a_secret_style_swap_of_the_key_file(tmp_path: Path) -> None:
+    """A Kubernetes Secret volume updates by pointing a symlink at a new file."""
+    first, second, link = tmp_path / "v1.json", tmp_path / "v2.json", tmp_path / "keys.json"
+    _write_keys(first, {"sk-first": "team-a"})
+    _write_keys(second, {"sk-second": "team-b"})
+    link.symlink_to(first)
+    keys = ApiKeys(load_key_ring(link), link)
+    watch = asyncio.create_task(keys.watch(interval_seconds=0.01))
+    try:
+        swapped = tmp_path / "swap"
+        swapped.symlink_to(second)
+        swapped.replace(link)
+        # Bounded only to stop a hang: the watch acts within a few polls.
+        for _ in range(1000):
+            if keys.ring.tenant_for("sk-second") is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert keys.ring.tenant_for("sk-second") == "team-b"
+        assert keys.ring.tenant_for("sk-first") is None
+    finally:
+        watch.cancel()
+
+
+@pytest.mark.parametrize("path", ["/docs", "/openapi.json"])
+async def test_docs_need_a_key_like_the_api_unless_public(path: str) -> None:
+    for public_docs, status_without_key in ((False, 401), (True, 200)):
+        app = create_app(ScriptedEngine(), api_keys=ApiKeys(KeyRing(KEYS)), public_docs=public_docs)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            assert (await client.get(path)).status_code == status_without_key
+            keyed = await client.get(path, headers=bearer("sk-beta-9876543210"))
+            assert keyed.status_code == 200

@@ -1,5 +1,7 @@
 """Settings validation and the speculation schedule, without an engine."""
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -53,3 +55,29 @@ def test_schedule_switches_speculation_off_above_the_cut_off() -> None:
 def test_an_unknown_tool_call_parser_is_refused_before_any_model_loads() -> None:
     with pytest.raises(ConfigError, match="unknown tool call parser 'nope'"):
         resolve(Settings(tool_call_parser="nope"))
+
+
+@pytest.mark.parametrize(
+    ("host", "refused"),
+    [
+        ("127.0.0.1", False),
+        ("127.0.0.2", False),
+        ("::1", False),
+        ("localhost", False),
+        ("0.0.0.0", True),
+        ("::", True),
+        ("10.1.2.3", True),
+        ("specserve.internal", True),  # a name may resolve to any interface
+    ],
+)
+def test_open_access_is_refused_beyond_loopback(host: str, refused: bool, tmp_path: Path) -> None:
+    assert Settings(host=host).open_access_refused is refused
+    assert not Settings(host=host, allow_unauthenticated=True).open_access_refused
+    key_file = tmp_path / "keys.json"
+    key_file.write_text('{"keys": [{"key": "k", "tenant": "t"}]}')
+    assert not Settings(host=host, api_key_file=key_file).open_access_refused
+
+
+def test_the_default_host_is_loopback() -> None:
+    assert Settings().host == "127.0.0.1"
+    assert not Settings().open_access_refused

@@ -217,6 +217,8 @@ async def test_null_means_the_default(client: httpx.AsyncClient, engine: Scripte
     [
         ({"stream_options": {"include_usage": True}}, None),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": "x" * 257}, "stop"),
+        ({"stop": ["a", "x" * 257]}, "stop"),
         ({"prompt": ["p"] * 20, "n": 4}, None),
     ],
 )

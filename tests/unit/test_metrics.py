@@ -20,6 +20,7 @@ def sample(name: str, **labels: str) -> float:
 
 
 SPEC = {"model": "scripted", "tenant": "anonymous"}
+BODY = {"model": "scripted", "prompt": "a b", "max_tokens": 2}
 LATENCY = {"model": "scripted", "endpoint": "/v1/completions"}
 
 
@@ -192,3 +193,30 @@ async def test_startup_creates_the_latency_and_count_series_at_zero() -> None:
             )
             is not None
         )
+
+
+async def test_with_a_metrics_port_metrics_are_served_there_and_only_there() -> None:
+    transport = httpx.ASGITransport(app=create_app(ScriptedEngine(), metrics_port=9400))
+    async with httpx.AsyncClient(transport=transport) as client:
+        api, metrics = "http://server:8000", "http://server:9400"
+        assert (await client.get(f"{api}/v1/models")).status_code == 200
+        hidden = await client.get(f"{api}/metrics")
+        assert hidden.status_code == 404
+        assert hidden.json()["error"]["message"] == "/metrics is not served on the API port"
+        scraped = await client.get(f"{metrics}/metrics")
+        assert scraped.status_code == 200 and "specserve_requests_total{" in scraped.text
+        for path in ("/v1/models", "/health", "/docs"):
+            assert (await client.get(f"{metrics}{path}")).status_code == 404
+
+
+async def test_the_engine_requests_gauge_reads_the_engine_at_each_scrape() -> None:
+    engine = ScriptedEngine()
+    app = create_app(engine)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            assert (await client.post("/v1/completions", json=BODY)).status_code == 200
+            assert sample("specserve_engine_requests") == 0
+            engine.unfinished = 3  # as if three requests were stuck in the engine
+            scraped = (await client.get("/metrics")).text
+            assert "specserve_engine_requests 3.0" in scraped.splitlines()

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from server.app import create_app
-from server.auth import KeyRing, load_key_ring
+from server.auth import ApiKeys, KeyRing, load_key_ring
 from server.config import ConfigError
 from server.errors import RateLimitError
 from server.rate_limit import RateLimiter, TenantLimits, format_duration
@@ -27,45 +27,45 @@ class Clock:
         return self.now
 
 
-def test_requests_per_minute_allows_a_burst_then_refills_at_the_limit_pace() -> None:
+async def test_requests_per_minute_allows_a_burst_then_refills_at_the_limit_pace() -> None:
     clock = Clock()
     limiter = RateLimiter({"a": TenantLimits(requests_per_minute=3)}, clock)
-    remaining = [limiter.admit("a")["x-ratelimit-remaining-requests"] for _ in range(3)]
+    remaining = [(await limiter.admit("a"))["x-ratelimit-remaining-requests"] for _ in range(3)]
     assert remaining == ["2", "1", "0"]
     with pytest.raises(RateLimitError) as refused:
-        limiter.admit("a")
+        await limiter.admit("a")
     assert refused.value.status == 429
     assert refused.value.type == "requests"
     assert refused.value.code == "rate_limit_exceeded"
     assert refused.value.headers["Retry-After"] == "20"  # one request refills in 60/3 s
     assert "Limit 3, Used 3" in refused.value.message
     clock.now += 20
-    assert limiter.admit("a")["x-ratelimit-remaining-requests"] == "0"
+    assert (await limiter.admit("a"))["x-ratelimit-remaining-requests"] == "0"
 
 
-def test_tokens_are_charged_after_the_fact_and_debt_holds_the_tenant_back() -> None:
+async def test_tokens_are_charged_after_the_fact_and_debt_holds_the_tenant_back() -> None:
     clock = Clock()
     limiter = RateLimiter({"a": TenantLimits(tokens_per_minute=600)}, clock)
-    assert limiter.admit("a")["x-ratelimit-remaining-tokens"] == "600"
-    limiter.charge_tokens("a", 900)  # a large request overdraws the bucket
+    assert (await limiter.admit("a"))["x-ratelimit-remaining-tokens"] == "600"
+    await limiter.charge_tokens("a", 900)  # a large request overdraws the bucket
     with pytest.raises(RateLimitError) as refused:
-        limiter.admit("a")
+        await limiter.admit("a")
     assert refused.value.type == "tokens"
     # From -300 to 1 token at 10 tokens/s.
     assert refused.value.headers["Retry-After"] == "31"
     clock.now += 31
-    headers = limiter.admit("a")
+    headers = await limiter.admit("a")
     assert headers["x-ratelimit-remaining-tokens"] == "10"
     assert headers["x-ratelimit-reset-tokens"] == "59s"
 
 
-def test_tenants_are_independent_and_unlisted_ones_unlimited() -> None:
+async def test_tenants_are_independent_and_unlisted_ones_unlimited() -> None:
     limiter = RateLimiter({"a": TenantLimits(requests_per_minute=1)}, Clock())
-    limiter.admit("a")
+    await limiter.admit("a")
     with pytest.raises(RateLimitError):
-        limiter.admit("a")
+        await limiter.admit("a")
     for _ in range(100):
-        assert limiter.admit("b") == {}
+        assert await limiter.admit("b") == {}
 
 
 @pytest.mark.parametrize(
@@ -78,7 +78,7 @@ def test_reset_durations_use_openai_format(seconds: float, text: str) -> None:
 @asynccontextmanager
 async def tenant_client(limits: TenantLimits) -> AsyncIterator[httpx.AsyncClient]:
     """A client of the app whose only key belongs to a tenant with `limits`."""
-    keys = KeyRing({"sk-a": "team-a"}, {"team-a": limits})
+    keys = ApiKeys(KeyRing({"sk-a": "team-a"}, {"team-a": limits}))
     transport = httpx.ASGITransport(app=create_app(ScriptedEngine(), api_keys=keys))
     headers = {"Authorization": "Bearer sk-a"}
     async with httpx.AsyncClient(
@@ -143,3 +143,42 @@ def test_key_file_limits_are_read_and_checked(tmp_path: Path) -> None:
         path.write_text(json.dumps({"keys": bad}))
         with pytest.raises(ConfigError):
             load_key_ring(path)
+
+
+async def test_new_limits_apply_at_once_and_unchanged_buckets_keep_their_level() -> None:
+    limiter = RateLimiter(
+        {"a": TenantLimits(requests_per_minute=2), "b": TenantLimits(requests_per_minute=5)},
+        Clock(),
+    )
+    await limiter.admit("a")
+    await limiter.admit("a")
+    limiter.set_limits(
+        {"a": TenantLimits(requests_per_minute=2), "b": TenantLimits(requests_per_minute=1)}
+    )
+    with pytest.raises(RateLimitError):
+        await limiter.admit("a")  # unchanged limit: its spent bucket is not refilled by a reload
+    # A new limit starts full.
+    assert (await limiter.admit("b"))["x-ratelimit-limit-requests"] == "1"
+    with pytest.raises(RateLimitError):
+        await limiter.admit("b")
+    limiter.set_limits({})
+    for _ in range(5):
+        assert await limiter.admit("a") == {}  # no limit any more
+
+
+async def test_a_reloaded_key_file_brings_its_tenants_limits(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"keys": [{"key": "sk-a", "tenant": "team-a"}]}))
+    keys = ApiKeys(load_key_ring(path), path)
+    transport = httpx.ASGITransport(app=create_app(ScriptedEngine(), api_keys=keys))
+    headers = {"Authorization": "Bearer sk-a"}
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://test", headers=headers
+    ) as client:
+        assert (await client.post("/v1/completions", json=BODY)).status_code == 200
+        entry = {"key": "sk-a", "tenant": "team-a", "requests_per_minute": 1}
+        path.write_text(json.dumps({"keys": [entry]}))
+        assert keys.reload()
+        first = await client.post("/v1/completions", json=BODY)
+        assert first.headers["x-ratelimit-limit-requests"] == "1"
+        assert (await client.post("/v1/completions", json=BODY)).status_code == 429

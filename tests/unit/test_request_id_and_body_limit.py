@@ -1,5 +1,6 @@
 """X-Request-Id on responses and log lines; the request body size limit."""
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -69,3 +70,57 @@ async def test_streamed_oversized_body_is_413(small: httpx.AsyncClient) -> None:
 
 async def test_bodies_under_the_limit_pass(small: httpx.AsyncClient) -> None:
     assert (await small.post("/v1/completions", json=BODY)).status_code == 200
+
+
+def _held_body(sent: asyncio.Event, release: asyncio.Event) -> AsyncIterator[bytes]:
+    """A completions body whose last part waits for `release` (sent: the first part is out)."""
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'{"model": "scripted", "prompt": "a b",'
+        sent.set()
+        await release.wait()
+        yield b' "max_tokens": 2}'
+
+    return chunks()
+
+
+async def test_bodies_past_the_concurrent_read_limit_get_503_and_bodiless_requests_pass(
+    engine: ScriptedEngine,
+) -> None:
+    app = create_app(engine, max_concurrent_body_reads=1)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        sent, release = asyncio.Event(), asyncio.Event()
+        slow = asyncio.create_task(
+            client.post(
+                "/v1/completions",
+                content=_held_body(sent, release),
+                headers={"content-type": "application/json"},
+            )
+        )
+        await sent.wait()
+        refused = await client.post("/v1/completions", json=BODY)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "server_overloaded"
+        assert "--max-concurrent-body-reads" in refused.json()["error"]["message"]
+        assert (await client.get("/health")).status_code == 200
+        release.set()
+        assert (await slow).status_code == 200
+        assert (await client.post("/v1/completions", json=BODY)).status_code == 200
+
+
+async def test_a_body_that_does_not_arrive_in_time_gets_408(engine: ScriptedEngine) -> None:
+    app = create_app(engine, body_read_timeout_seconds=0.05)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        never = asyncio.Event()
+        response = await client.post(
+            "/v1/completions",
+            content=_held_body(asyncio.Event(), never),
+            headers={"content-type": "application/json"},
+        )
+        assert response.status_code == 408
+        error = response.json()["error"]
+        assert error["code"] == "request_body_timeout"
+        assert "--body-read-timeout-seconds" in error["message"]
+        assert (await client.post("/v1/completions", json=BODY)).status_code == 200

@@ -57,6 +57,21 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- default (printf "%s-api-keys" (include "specserve.fullname" .)) .Values.apiKeys.existingSecret }}
 {{- end }}
 
+{{/* Redis URL of the shared rate limits: rateLimits.store, the chart's Redis, or empty (per pod). */}}
+{{- define "specserve.rateLimitStore" -}}
+{{- if .Values.rateLimits.store }}
+{{- .Values.rateLimits.store }}
+{{- else if .Values.redis.enabled }}
+{{- printf "redis://%s-redis:6379/0" (include "specserve.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/* Labels that select the chart's Redis pod: a name of its own, so the API's selector never matches it. */}}
+{{- define "specserve.redisSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "specserve.name" . }}-redis
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
 {{/* PVC of the model cache: the existing one, or the chart's. */}}
 {{- define "specserve.modelCacheClaimName" -}}
 {{- default (printf "%s-models" (include "specserve.fullname" .)) .Values.modelCache.existingClaim }}
