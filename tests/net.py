@@ -1,9 +1,11 @@
 """Loopback helpers shared by tests that start real servers."""
 
+import asyncio
 import contextlib
 import socket
 import subprocess
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,3 +31,12 @@ def wait_until_up(
             if httpx.get(url, timeout=5).status_code == 200:
                 return
         time.sleep(1)
+
+
+async def wait_until(check: Callable[[], Awaitable[bool]], what: str, seconds: float) -> None:
+    """Wait up to `seconds` for `check` to hold; the bound only stops a hang."""
+    for _ in range(round(seconds * 10)):
+        if await check():
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{what} within {seconds:g} s")

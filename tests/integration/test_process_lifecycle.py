@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from tests.integration.conftest import TinyModels
-from tests.net import free_port, wait_until_up
+from tests.net import free_port, wait_until, wait_until_up
 
 pytestmark = pytest.mark.integration
 
@@ -90,15 +90,6 @@ async def _stream(
     raise AssertionError("stream ended without [DONE]")
 
 
-async def _wait_until(check: Callable[[], Awaitable[bool]], what: str, seconds: float) -> None:
-    """Wait up to `seconds` for `check` to hold; the bound only stops a hang."""
-    for _ in range(round(seconds * 10)):
-        if await check():
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{what} within {seconds:g} s")
-
-
 async def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(
     serve_process: Process,
 ) -> None:
@@ -121,10 +112,10 @@ async def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(
 
         # The plain request too holds its slot before the signal, however
         # soon the streams' first tokens came.
-        await _wait_until(all_admitted, "the three requests were not all admitted", 120)
+        await wait_until(all_admitted, "the three requests were not all admitted", 120)
         signalled = time.monotonic()
         serve_process.popen.send_signal(signal.SIGTERM)
-        await _wait_until(not_ready, "/ready did not turn 503 after SIGTERM", 120)
+        await wait_until(not_ready, "/ready did not turn 503 after SIGTERM", 120)
         assert (await client.get("/health")).status_code == 200
         refused = await client.post("/v1/completions", json={**LONG_BODY, "max_tokens": 1})
         assert refused.status_code == 503
@@ -198,7 +189,7 @@ async def test_sighup_rotates_the_keys_and_leaves_running_streams_alone(
             async def rotated() -> bool:
                 return await status("sk-after") == 200
 
-            await _wait_until(rotated, "the new key was not accepted after SIGHUP", 60)
+            await wait_until(rotated, "the new key was not accepted after SIGHUP", 60)
             assert not stream.done(), "the stream ended before the rotation"
             assert await status("sk-before") == 401
             key_file.write_text("not json")
@@ -207,7 +198,7 @@ async def test_sighup_rotates_the_keys_and_leaves_running_streams_alone(
             async def refused_logged() -> bool:
                 return "previous keys stay in force" in process.log.read_text()
 
-            await _wait_until(refused_logged, "the bad key file was not reported", 60)
+            await wait_until(refused_logged, "the bad key file was not reported", 60)
             assert await status("sk-after") == 200
             events = await stream
         assert process.popen.poll() is None

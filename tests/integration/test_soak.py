@@ -18,7 +18,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import psutil
 import pytest
 
 from tests.integration.conftest import TinyModels
-from tests.net import free_port, wait_until_up
+from tests.net import free_port, wait_until, wait_until_up
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -110,15 +109,6 @@ async def _hung_up_chat(client: httpx.AsyncClient, stream: bool) -> str:
     raise AssertionError("stream ended without an event")
 
 
-async def _wait_until(check: Callable[[], Awaitable[bool]], what: str, seconds: float) -> None:
-    """Wait up to `seconds` for `check` to hold; the bound only stops a hang."""
-    for _ in range(round(seconds * 10)):
-        if await check():
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{what} within {seconds:g} s")
-
-
 def _samples(text: str) -> dict[str, float]:
     """Prometheus text as {'name{labels}': value}."""
     samples = {}
@@ -129,18 +119,20 @@ def _samples(text: str) -> dict[str, float]:
     return samples
 
 
-def _requests_by_status(samples: dict[str, float], endpoint: str) -> Counter[str]:
-    prefix = f'specserve_requests_total{{endpoint="{endpoint}",status="'
+def _by_last_label(samples: dict[str, float], prefix: str) -> Counter[str]:
+    """The samples whose name starts with `prefix` (which ends inside their last label's
+    quotes), counted by that label's value."""
     return Counter(
         {name[len(prefix) : -2]: int(v) for name, v in samples.items() if name.startswith(prefix)}
     )
+
+
+def _requests_by_status(samples: dict[str, float], endpoint: str) -> Counter[str]:
+    return _by_last_label(samples, f'specserve_requests_total{{endpoint="{endpoint}",status="')
 
 
 def _refused(samples: dict[str, float]) -> Counter[str]:
-    prefix = 'specserve_requests_refused_total{reason="'
-    return Counter(
-        {name[len(prefix) : -2]: int(v) for name, v in samples.items() if name.startswith(prefix)}
-    )
+    return _by_last_label(samples, 'specserve_requests_refused_total{reason="')
 
 
 def _write_keys(path: Path, round_number: int) -> None:
@@ -209,7 +201,7 @@ class Soak:
             headers = {"Authorization": f"Bearer sk-round-{number}"}
             return (await self.client.get("/v1/models", headers=headers)).status_code == 200
 
-        await _wait_until(reloaded, f"round {number}'s key was not accepted after SIGHUP", 60)
+        await wait_until(reloaded, f"round {number}'s key was not accepted after SIGHUP", 60)
 
     async def _wait_idle(self) -> None:
         gauges = (
@@ -224,7 +216,7 @@ class Soak:
             samples = await self.scrape()
             return all(samples[gauge] == 0 for gauge in gauges)
 
-        await _wait_until(idle, "requests were left in the engine or the gauges", 120)
+        await wait_until(idle, "requests were left in the engine or the gauges", 120)
 
 
 def _resident_mb(pid: int) -> tuple[float, float]:
