@@ -37,6 +37,7 @@ from server.autopilot.policy import (
     Controller,
     CostModel,
     Decision,
+    RequestState,
     StepRecord,
     expected_tokens_per_step,
 )
@@ -187,11 +188,18 @@ class AutopilotScheduler(Scheduler):
             if self._max_batch is not None and len(request_ids) > self._max_batch:
                 return Decision(0, {}, "batch_too_large", 1.0, False)
             return Decision(self.num_spec_tokens, {}, None, 1.0, False)
-        tokens_left = {
-            r: max(1, (self.requests[r].max_tokens or 1) - self.requests[r].num_output_tokens)
-            for r in request_ids
-        }
-        return self._controller.choose(request_ids, behind, tokens_left, caps)
+        return self._controller.choose({r: self._state(r, behind, caps) for r in request_ids})
+
+    def _state(self, request_id: str, behind: dict[str, int], caps: dict[str, int]) -> RequestState:
+        request = self.requests[request_id]
+        max_tokens = max(1, request.max_tokens or 1)
+        return RequestState(
+            behind=behind[request_id],
+            tokens_left=max(1, max_tokens - request.num_output_tokens),
+            prompt_tokens=request.num_prompt_tokens,
+            max_tokens=max_tokens,
+            draft_cap=caps.get(request_id),
+        )
 
     def _with_request_caps(
         self, decision: Decision, request_ids: list[str], caps: dict[str, int]

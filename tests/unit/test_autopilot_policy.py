@@ -15,6 +15,7 @@ from server.autopilot.policy import (
     Controller,
     CostModel,
     Decision,
+    RequestState,
     StepRecord,
     expected_tokens_per_step,
 )
@@ -66,7 +67,7 @@ class Sim:
         self.rates = dict(rates)
 
     def step(self) -> Decision:
-        decision = self.controller.choose(list(self.rates))
+        decision = self.controller.choose(dict.fromkeys(self.rates, RequestState()))
         verified_total = 0
         for request_id, rate in self.rates.items():
             verified = self.pending.get(request_id, 0)
@@ -297,7 +298,7 @@ def test_speculation_needs_a_predicted_gain_of_at_least_min_gain() -> None:
         for step in cycle_steps(machine, 1, random.Random(0), noise=0.0):
             cost.observe(step)
         decision = Controller(K_MAX, cost, AcceptanceTracker(K_MAX), min_gain=min_gain).choose(
-            ["r"]
+            {"r": RequestState()}
         )
         assert decision.k == expected_k
         if expected_k:
@@ -347,26 +348,60 @@ def test_a_short_request_does_not_pay_back_a_long_catch_up() -> None:
     controller = Controller(K_MAX, cost, tracker_with_acceptance(0.9))
     # Truly: K=3 saves ~0.03 s per token at 0.9 (CPU, batch 1); 300 positions to catch up
     # cost 1.2 s, paid back after ~40 tokens.
-    short = controller.choose(["r"], draft_behind={"r": 300}, tokens_left={"r": 8})
+    short = controller.choose({"r": RequestState(behind=300, tokens_left=8)})
     assert (short.k, short.reason) == (0, "too_short")
-    long = controller.choose(["r"], draft_behind={"r": 300}, tokens_left={"r": 200})
+    long = controller.choose({"r": RequestState(behind=300, tokens_left=200)})
     assert long.k > 0 and long.reason is None
     # In step, nothing to pay back: even the last tokens are drafted.
-    in_step = controller.choose(["r"], draft_behind={"r": 0}, tokens_left={"r": 2})
+    in_step = controller.choose({"r": RequestState(behind=0, tokens_left=2)})
     assert in_step.k > 0
     # A "too_short" is not probed: acceptance is known, the tokens left are what is short.
-    probes = [controller.choose(["r"], {"r": 300}, {"r": 8}) for _ in range(100)]
+    probes = [controller.choose({"r": RequestState(behind=300, tokens_left=8)}) for _ in range(100)]
     assert {(d.k, d.reason, d.probing) for d in probes} == {(0, "too_short", False)}
+
+
+@pytest.mark.parametrize(("max_tokens", "pays"), [(32, False), (256, True)])
+def test_each_request_pays_for_its_own_prompts_catch_up(max_tokens: int, pays: bool) -> None:
+    """In step (nothing to catch up on now), but every request that ends is replaced by one whose
+    prompt the draft catches up on: 300 positions (1.2 s) per reply. At 0.9 acceptance K = 3
+    runs 1.46x of K = 0 on CPU at batch 1 in steady decoding; counting the catch-up of each
+    32-token reply's successor, 0.95x (K = 0 must win); of 256-token replies, 1.37x."""
+    cost = calibrated_with_catch_up(CPU)
+    acceptance = tracker_with_acceptance(0.9)
+    controller = Controller(K_MAX, cost, acceptance)
+    state = RequestState(tokens_left=max_tokens, prompt_tokens=300, max_tokens=max_tokens)
+
+    def true_speedup(k: int) -> float:
+        tokens = sum(0.9**j for j in range(k + 1))
+        arrivals = tokens * 300 / max_tokens * CATCH_UP_SECONDS_PER_TOKEN
+        return tokens / (CPU.seconds(1, k, k) + arrivals) * CPU.seconds(1, 0, 0)
+
+    best = max(true_speedup(k) for k in range(1, K_MAX + 1))
+    assert (best >= 1.1) == pays
+    decision = controller.choose({"r": state})
+    assert (decision.k > 0) == pays
+    if pays:
+        # What a steady step of it will measure: no catch-up in it.
+        steady = expected_tokens_per_step(acceptance.position_rates("r"), decision.k)
+        assert decision.predicted_speedup == pytest.approx(
+            steady / cost.predict(1, decision.k) * cost.predict(1, 0), rel=1e-6
+        )
+    else:
+        assert decision.reason == "not_paying"
+    # Without the successors' catch-up (no prompt), both speculate.
+    assert controller.choose({"r": RequestState(tokens_left=max_tokens)}).k > 0
 
 
 def test_no_probe_when_even_perfect_acceptance_could_not_pay_back_the_catch_up() -> None:
     cost = calibrated_with_catch_up(CPU)
     controller = Controller(K_MAX, cost, tracker_with_acceptance(0.1))
-    far_behind = [controller.choose(["r"], {"r": 2000}, {"r": 20}) for _ in range(200)]
+    far_behind = [
+        controller.choose({"r": RequestState(behind=2000, tokens_left=20)}) for _ in range(200)
+    ]
     assert not any(d.k for d in far_behind)
     assert {d.reason for d in far_behind} == {"not_paying"}
     # The same request caught up (or a long one) gets its probe within the interval.
-    near = [controller.choose(["r"], {"r": 1}, {"r": 20}) for _ in range(16)]
+    near = [controller.choose({"r": RequestState(behind=1, tokens_left=20)}) for _ in range(16)]
     assert [d.probing for d in near].count(True) == 1
 
 
@@ -374,7 +409,7 @@ def test_a_probe_waits_until_its_catch_up_fits_in_two_percent_of_the_time_off() 
     cost = calibrated_with_catch_up(CPU)
     controller = Controller(K_MAX, cost, tracker_with_acceptance(0.1))
     behind = 200  # every probe catches the draft up on 200 positions (0.8 s)
-    decisions = [controller.choose(["r"], {"r": behind}, {"r": 256}) for _ in range(1200)]
+    decisions = [controller.choose({"r": RequestState(behind=behind)}) for _ in range(1200)]
     probes = [i for i, d in enumerate(decisions) if d.probing]
     # Off steps that pay for one catch-up at 2% of their time (~400, not the interval's 16).
     steps_per_probe = cost.catch_up_seconds(behind) / (0.02 * cost.predict(1, 0))
@@ -389,7 +424,7 @@ def test_a_probe_waits_until_its_catch_up_fits_in_two_percent_of_the_time_off() 
 
 def test_calibration_cycles_each_k_twice_until_the_cost_model_is_ready() -> None:
     controller = Controller(3, CostModel(), AcceptanceTracker(3))  # never fed: never ready
-    decisions = [controller.choose(["r"]) for _ in range(12)]
+    decisions = [controller.choose({"r": RequestState()}) for _ in range(12)]
     assert [d.k for d in decisions] == [0, 0, 1, 1, 2, 2, 3, 3, 0, 0, 1, 1]
     assert all(d.probing for d in decisions)
     assert [d.reason for d in decisions[:3]] == ["calibrating", "calibrating", None]
@@ -488,7 +523,7 @@ def test_expected_tokens_per_step_counts_the_bonus_token_and_each_accepted_prefi
 
 
 def test_disabled_when_k_max_is_zero() -> None:
-    decision = Controller(0, CostModel(), AcceptanceTracker(0)).choose(["r"])
+    decision = Controller(0, CostModel(), AcceptanceTracker(0)).choose({"r": RequestState()})
     assert (decision.k, decision.reason, decision.per_request_k) == (0, "disabled", {"r": 0})
 
 
@@ -550,12 +585,12 @@ def test_one_slow_plain_step_at_a_new_batch_size_does_not_turn_speculation_on() 
     controller = Controller(4, cost, acceptance)
     requests = [f"r{i}" for i in range(8)]
     cost.observe(StepRecord(1.75 * nonlinear_seconds(8, 0), 8, 0, 0, 0))
-    decision = controller.choose(requests)
+    decision = controller.choose(dict.fromkeys(requests, RequestState()))
     assert (decision.k, decision.reason) == (0, "batch_too_large")
     # A second plain step measures the batch: its low median is the usual step.
     cost.observe(StepRecord(nonlinear_seconds(8, 0), 8, 0, 0, 0))
     assert cost.predict(8, 0) == pytest.approx(nonlinear_seconds(8, 0))
-    assert controller.choose(requests).k == 0
+    assert controller.choose(dict.fromkeys(requests, RequestState())).k == 0
 
 
 def test_the_plain_step_keeps_its_own_measurement_while_speculation_runs() -> None:
@@ -594,14 +629,16 @@ def test_requests_capped_at_zero_are_priced_as_gaining_nothing() -> None:
         cost.observe(step)
     controller = Controller(K_MAX, cost, tracker_with_acceptance(0.9, "code"))
     ids = ["code", "off-1", "off-2", "off-3"]
-    assert controller.choose(ids).k > 0
+    assert controller.choose(dict.fromkeys(ids, RequestState())).k > 0
 
     def true_speedup(k: int) -> float:  # one request accepting 0.9 of drafts, three at K = 0
         tokens = 3 + sum(0.9**j for j in range(k + 1))
         return tokens / CHEAP_VERIFY.seconds(4, k, k) * CHEAP_VERIFY.seconds(4, 0, 0) / 4
 
     assert max(true_speedup(k) for k in range(1, K_MAX + 1)) < 1.1  # below min_gain
-    decision = controller.choose(ids, draft_caps={"off-1": 0, "off-2": 0, "off-3": 0})
+    decision = controller.choose(
+        {"code": RequestState(), **{r: RequestState(draft_cap=0) for r in ids[1:]}}
+    )
     assert (decision.k, decision.reason) == (0, "not_paying")
 
 
