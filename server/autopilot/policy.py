@@ -45,6 +45,26 @@ _PRIOR_RATE = 0.5
 _REALISED_WEIGHT = 0.05
 _REALISED_MAX_WEIGHT = 0.5
 _REALISED_RECOVERY = 0.002
+# End to end at one batch size: output tokens over seconds of every step while it speculates
+# (catch-ups, K changes and the draft's work in prefill steps included) against the same while
+# it does not: the one measure that sees everything speculation costs. On a 2-core CPU, code at
+# four requests realised 0.95 of its steady steps' predictions and ran 0.95x of K = 0 overall;
+# the rest went in steps the model does not see as it runs them. Where speculation measures
+# slower than K = 0, it stops at that batch size.
+# - Prefill steps count on both sides less what the target's prefill costs (learnt from plain
+#   prefill steps), so that a side measured over more prefills does not read slower for it.
+# - The speculating side forgets at _SPECULATING_DECAY per step of its own (about the last 50)
+#   and at _VETO_RECOVERY per plain step: a batch size stopped after 8 steps retries after ~700
+#   plain steps, and a retry of one step recurs every ~220.
+# - The plain side forgets at _PLAIN_DECAY per plain step and at _PLAIN_STALENESS per
+#   speculating step: where speculation runs throughout, one plain step every ~220 keeps the
+#   comparison current (at a new batch size, five plain steps follow its first five).
+_SPECULATING_DECAY = 0.98
+_PLAIN_DECAY = 0.99
+_PLAIN_STALENESS = 0.999
+_VETO_MIN_STEPS = 4.0
+_VETO_RECOVERY = 0.001
+_PREFILL_LEARNING = 0.1  # weight of each plain prefill step in the target's prefill cost
 # A probe's catch-up is paid from this share of the time spent at K = 0 since the last probe
 # (or since speculation stopped). The draft catches up on every request's whole context: on a
 # 2-core CPU, two 80-token prose contexts took ~2.5 s, seven plain steps, and rounds of prose at
@@ -415,6 +435,27 @@ def expected_tokens_per_step(rates: list[float], k: int) -> float:
     return _tokens_by_k(rates, k)[k]
 
 
+@dataclass
+class _Side:
+    """Decayed output tokens, seconds and steps of one batch size's speculating or plain steps."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    steps: float = 0.0
+
+    def add(self, tokens: int, seconds: float, decay: float) -> None:
+        self.tokens = decay * self.tokens + tokens
+        self.seconds = decay * self.seconds + seconds
+        self.steps = decay * self.steps + 1.0
+
+    def fade(self, factor: float) -> None:
+        self.tokens, self.seconds, self.steps = (
+            factor * self.tokens,
+            factor * self.seconds,
+            factor * self.steps,
+        )
+
+
 @dataclass(frozen=True)
 class RequestState:
     """What the scheduler knows of one request of the next step. The defaults are a request
@@ -459,6 +500,10 @@ class Controller:
     the catch-up on the prompts of the requests that will replace these ones (see
     _arrivals_seconds): each request's speedup pays for its own prompt's catch-up, so a batch
     of short replies to long prompts, where a new request joins every few steps, stays at K = 0.
+    Last, what the model predicts is checked against what was measured end to end at the same
+    batch size (see end_to_end()): where speculating steps made fewer tokens per second than
+    plain ones, K stays 0 there until that evidence fades; a batch size that speculated with too
+    few plain steps to compare against runs K = 0 to measure them ("calibrating").
     While K stays 0 nothing is verified, so every probe interval one step runs the best K >= 1
     to let acceptance show it recovered, if even perfect acceptance could pay back that step's
     catch-up (otherwise the probe could not change the answer) and the catch-up fits in a
@@ -493,6 +538,9 @@ class Controller:
         self._off_seconds = 0.0  # their predicted time
         # batch size -> measured over predicted speedup of its steady speculating steps
         self._realised: dict[int, float] = {}
+        # batch size -> its (speculating, plain) steps, see end_to_end()
+        self._end_to_end: dict[int, tuple[_Side, _Side]] = {}
+        self._prefill_seconds_per_token: float | None = None  # the target's, at K = 0
 
     def choose(self, requests: Mapping[str, RequestState]) -> Decision:
         """K for the next step of these requests (request id -> what the scheduler knows)."""
@@ -528,6 +576,11 @@ class Controller:
         # What a step of it measures (no catch-up in it): what the realised fraction compares.
         speedup = steady[best] / steady[0]
         paying = expected >= 1.0 + self._min_gain
+        if paying and self._needs_plain_steps(batch):
+            # What speculation is measured against at this batch size: measure it now.
+            return Decision(0, dict.fromkeys(request_ids, 0), "calibrating", 1.0, False)
+        speedup_measured = self.end_to_end_speedup(batch)
+        paying = paying and (speedup_measured is None or speedup_measured >= 1.0)
         if paying and _pays_back(catch_up, left, throughput[0], throughput[0] * expected):
             self._off_steps, self._off_seconds = 0, 0.0
             self._probe_interval = self._base_interval
@@ -557,6 +610,56 @@ class Controller:
             weight = min(_REALISED_WEIGHT * batch, _REALISED_MAX_WEIGHT)
             current = self._realised.get(batch, 1.0)
             self._realised[batch] = current + weight * (measured / predicted - current)
+
+    def end_to_end(
+        self, batch: int, seconds: float, tokens: int, prefill_tokens: int, speculating: bool
+    ) -> None:
+        """One step of `batch` requests that made `tokens` output tokens in `seconds`, with
+        `prefill_tokens` prompt tokens in it: speculating (it proposed or verified drafts of a
+        decision that chose K > 0) or plain (K = 0, nothing verified). Probes and the steps
+        verifying them are neither."""
+        if prefill_tokens:
+            if not speculating:
+                sample = (seconds - self._cost.predict(batch, 0)) / prefill_tokens
+                known = self._prefill_seconds_per_token
+                self._prefill_seconds_per_token = (
+                    sample if known is None else known + _PREFILL_LEARNING * (sample - known)
+                )
+            if self._prefill_seconds_per_token is None:
+                return
+            seconds -= self._prefill_seconds_per_token * prefill_tokens
+        speculating_side, plain_side = self._end_to_end.setdefault(batch, (_Side(), _Side()))
+        if speculating:
+            speculating_side.add(tokens, max(seconds, _MIN_STEP_SECONDS), _SPECULATING_DECAY)
+            plain_side.fade(_PLAIN_STALENESS)
+        else:
+            plain_side.add(tokens, max(seconds, _MIN_STEP_SECONDS), _PLAIN_DECAY)
+            speculating_side.fade(1.0 - _VETO_RECOVERY)
+
+    def end_to_end_speedup(self, batch: int) -> float | None:
+        """Measured tokens/s speculating over tokens/s not at this batch size (None: fewer
+        than _VETO_MIN_STEPS steps of either yet)."""
+        sides = self._end_to_end.get(batch)
+        if sides is None or min(side.steps for side in sides) < _VETO_MIN_STEPS:
+            return None
+        speculating, plain = sides
+        if not plain.tokens:
+            return None
+        return (speculating.tokens / speculating.seconds) / (plain.tokens / plain.seconds)
+
+    @property
+    def end_to_end_speedups(self) -> dict[int, float]:
+        """The measured end-to-end speedup of every batch size with enough steps of both."""
+        speedups = {batch: self.end_to_end_speedup(batch) for batch in sorted(self._end_to_end)}
+        return {batch: speedup for batch, speedup in speedups.items() if speedup is not None}
+
+    def _needs_plain_steps(self, batch: int) -> bool:
+        """Speculation was measured at this batch size, too few plain steps to compare with."""
+        sides = self._end_to_end.get(batch)
+        if sides is None:
+            return False
+        speculating, plain = sides
+        return speculating.steps >= _VETO_MIN_STEPS and plain.steps < _VETO_MIN_STEPS
 
     def realised_fraction(self, batch: int) -> float:
         """What predicted speedups at this batch size are scaled by: the realised fraction, at

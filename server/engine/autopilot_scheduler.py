@@ -117,6 +117,7 @@ class AutopilotScheduler(Scheduler):
         self._zero_steps_by_reason: Counter[str] = Counter()
         self._measured_speedup: float | None = None
         self._verified_k = 0  # the K the step being run verifies (its predecessor's)
+        self._verified_probe = False  # and whether that K was a probe's (or calibration's)
         self._reporter = Reporter("scheduler")
         logger.info("specserve: speculation %s, K up to %d", self._mode, self.num_spec_tokens)
 
@@ -263,6 +264,13 @@ class AutopilotScheduler(Scheduler):
             caught_up_tokens=self._caught_up,
         )
         self._cost.observe(step)
+        if self._mode == "auto" and self._cost.ready:
+            plain = decision.k == 0 and verified_total == 0
+            probe_related = decision.probing or (verified_total > 0 and self._verified_probe)
+            if plain or not probe_related:
+                self._controller.end_to_end(
+                    step.batch_size, duration, generated, prefill_tokens, speculating=not plain
+                )
         if prefill_tokens == 0 and self._cost.ready and generated:
             # Realised tokens/s against the fitted no-speculation rate at this batch.
             baseline = step.batch_size / self._cost.predict(step.batch_size, 0)
@@ -273,6 +281,7 @@ class AutopilotScheduler(Scheduler):
             if self._mode == "auto" and steady and not step.caught_up_tokens:
                 self._controller.realised(decision.predicted_speedup, speedup, step.batch_size)
         self._verified_k = decision.k  # what the next step verifies
+        self._verified_probe = decision.probing
         return step
 
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:
@@ -294,6 +303,10 @@ class AutopilotScheduler(Scheduler):
                 "probing": decision.probing if decision else False,
                 "predicted_speedup": decision.predicted_speedup if decision else 1.0,
                 "measured_speedup": self._measured_speedup,
+                "end_to_end_speedup_by_batch": {
+                    str(batch): speedup
+                    for batch, speedup in self._controller.end_to_end_speedups.items()
+                },
                 "realised_fraction_by_batch": {
                     str(batch): fraction
                     for batch, fraction in self._controller.realised_fractions.items()

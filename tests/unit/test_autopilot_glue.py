@@ -200,8 +200,16 @@ class _RecordingController:
     def __init__(self) -> None:
         self.realised_calls: list[tuple[float, float, int]] = []
 
+        self.end_to_end_calls: list[tuple[float, int, int, bool]] = []
+
     def realised(self, predicted: float, measured: float, batch: int) -> None:
         self.realised_calls.append((predicted, measured, batch))
+
+    def end_to_end(
+        self, batch: int, seconds: float, tokens: int, prefill_tokens: int, speculating: bool
+    ) -> None:
+        assert batch == 1
+        self.end_to_end_calls.append((seconds, tokens, prefill_tokens, speculating))
 
 
 def _observing_scheduler(mode: str) -> Any:
@@ -216,6 +224,7 @@ def _observing_scheduler(mode: str) -> Any:
     scheduler._caught_up = 0
     scheduler._measured_speedup = None
     scheduler._verified_k = 0
+    scheduler._verified_probe = False
     return scheduler
 
 
@@ -260,3 +269,25 @@ def test_fixed_k_never_moves_the_realised_fraction() -> None:
     for _ in range(3):
         _step(scheduler, 2)
     assert scheduler._controller.realised_calls == []
+    assert scheduler._controller.end_to_end_calls == []
+
+
+def test_end_to_end_counts_every_step_but_probes_and_what_verifies_them() -> None:
+    scheduler = _observing_scheduler("auto")
+    calls = scheduler._controller.end_to_end_calls
+    _step(scheduler, 0, prefill=6)  # plain, with a prompt chunk
+    _step(scheduler, 0, probing=True)  # a calibration step at K = 0 is plain too
+    _step(scheduler, 2, probing=True)  # a probe
+    _step(scheduler, 0)  # verifies the probe's drafts
+    _step(scheduler, 2, caught_up=5)  # speculation resumes: catch-up, verifies nothing
+    _step(scheduler, 2, prefill=6)  # a prompt chunk at K > 0
+    _step(scheduler, 0)  # verifies 2, proposes none: speculation's last step
+    _step(scheduler, 0)
+    assert calls == [
+        (0.5, 1, 6, False),
+        (0.5, 1, 0, False),
+        (0.5, 1, 0, True),
+        (0.5, 3, 6, True),
+        (0.5, 3, 0, True),
+        (0.5, 1, 0, False),
+    ]

@@ -60,6 +60,7 @@ class Sim:
         self.noise = noise
         self.rates: dict[str, float] = {}  # live requests -> true per-position acceptance
         self.pending: dict[str, int] = {}  # drafts each request verifies next step
+        self.last = (0.0, 0, 0)  # the last step's seconds, output tokens and verified drafts
 
     def set_requests(self, rates: dict[str, float]) -> None:
         for request_id in set(self.rates) - set(rates):
@@ -68,7 +69,7 @@ class Sim:
 
     def step(self) -> Decision:
         decision = self.controller.choose(dict.fromkeys(self.rates, RequestState()))
-        verified_total = 0
+        verified_total = tokens = 0
         for request_id, rate in self.rates.items():
             verified = self.pending.get(request_id, 0)
             accepted = 0
@@ -76,10 +77,12 @@ class Sim:
                 accepted += 1
             self.acceptance.observe(request_id, verified, accepted)
             verified_total += verified
+            tokens += 1 + accepted
         batch = len(self.rates)
         seconds = self.machine.seconds(batch, verified_total, decision.k)
         seconds *= 1.0 + self.noise * self.rng.uniform(-1.0, 1.0)
         self.cost.observe(StepRecord(seconds, batch, verified_total, decision.k, 0))
+        self.last = (seconds, tokens, verified_total)
         self.pending = dict(decision.per_request_k)
         return decision
 
@@ -747,3 +750,89 @@ def test_a_batch_size_whose_steps_fall_short_stops_within_steps_and_others_go_on
     assert sim.controller.realised_fraction(1) == 1.0
     sim.set_requests(four)
     assert sum(run_slower_than_plain(100)) <= 5
+
+
+# 12. What speculation realised end to end.
+
+
+def run_end_to_end(sim: Sim, steps: int, hidden: float = 1.0) -> list[Decision]:
+    """Steps fed to the end-to-end measure as the glue feeds it, with speculating steps taking
+    `hidden` times the time the cost model sees (the draft's work in prefill steps, say)."""
+    decisions: list[Decision] = []
+    for _ in range(steps):
+        probed_before = bool(decisions) and decisions[-1].probing
+        decision = sim.step()
+        seconds, tokens, verified = sim.last
+        plain = decision.k == 0 and verified == 0
+        if plain or not (decision.probing or (verified and probed_before)):
+            sim.controller.end_to_end(
+                len(sim.rates), seconds * (1.0 if plain else hidden), tokens, 0, not plain
+            )
+        decisions.append(decision)
+    return decisions
+
+
+def test_a_batch_size_measured_slower_end_to_end_stops_there_and_retries_rarely() -> None:
+    """The model says four code requests gain ~1.5x; their speculating steps truly take 1.5x
+    what it sees (~0.9x of K = 0 end to end). After five speculating steps, plain ones are
+    measured to compare with, speculation stops once the comparison is made, and is retried in
+    under 2% of the steps after; a lone request, whose steps take what the model sees, goes on
+    speculating."""
+    sim = Sim(CHEAP_VERIFY)
+    sim.calibrate(0.9)
+    sim.set_requests({f"r{i}": 0.9 for i in range(4)})
+    first = run_end_to_end(sim, 60, hidden=1.5)
+    assert first[0].k > 0 and first[0].predicted_speedup > 1.2
+    # The sixth K = 0 step is plain (the first verifies the last drafts): five plain steps.
+    assert [i for i, d in enumerate(first) if d.reason == "calibrating"] == list(range(5, 11))
+    stopped = next(i for i, d in enumerate(first) if i > 10 and d.k == 0)
+    assert stopped <= 13
+    speedup = sim.controller.end_to_end_speedup(4)
+    assert speedup is not None and speedup < 0.95
+    later = run_end_to_end(sim, 1000, hidden=1.5)
+    assert sum(d.k > 0 and not d.probing for d in later) <= 20
+    assert {d.reason for d in later if d.k == 0} <= {"not_paying", "batch_too_large"}
+
+    sim.set_requests({"alone": 0.9})
+    alone = run_end_to_end(sim, 200)
+    assert sum(d.k > 0 for d in alone) >= 0.9 * len(alone)
+    assert sim.controller.end_to_end_speedup(1) is not None
+
+
+def test_where_speculation_pays_a_plain_step_now_and_then_keeps_the_comparison_current() -> None:
+    sim = Sim(CPU)
+    sim.calibrate(0.9)
+    sim.set_requests({"code": 0.9})
+    decisions = run_end_to_end(sim, 2000)
+    refreshes = [i for i, d in enumerate(decisions) if d.reason == "calibrating"]
+    assert refreshes[:6] == list(range(5, 11))
+    # Then one plain step (after one verifying the last drafts) every ~200 speculating steps.
+    later = refreshes[6::2]
+    assert 5 <= len(later) <= 15
+    assert all(150 <= b - a <= 300 for a, b in itertools.pairwise([refreshes[5], *later]))
+    assert sum(d.k > 0 for d in decisions) >= 0.97 * len(decisions)
+    speedup = sim.controller.end_to_end_speedup(1)
+    true = max(CPU.throughput(1, k, 0.9) for k in range(1, K_MAX + 1)) / CPU.throughput(1, 0, 0.9)
+    assert speedup == pytest.approx(true, rel=0.1)
+
+
+def test_prefill_steps_do_not_make_the_side_with_more_of_them_read_slower() -> None:
+    """Plain steps measured without a prompt among them, speculating ones with a 100-token
+    prompt every 11 steps: the target's prefill (0.01 s per token, learnt from a plain prefill
+    step) is taken out of both, the draft's share of a prompt (0.003 s per token) stays in."""
+    cost = CostModel()
+    for step in cycle_steps(CPU, 1, random.Random(0), noise=0.0):
+        cost.observe(step)
+    controller = Controller(K_MAX, cost, AcceptanceTracker(K_MAX))
+    plain_step = cost.predict(1, 0)
+    controller.end_to_end(1, plain_step + 100 * 0.01, 1, 100, speculating=False)
+    for _ in range(20):
+        controller.end_to_end(1, plain_step, 1, 0, speculating=False)
+    for i in range(22):
+        prompt = 100 if i % 11 == 0 else 0
+        seconds = 1.6 * plain_step + prompt * (0.01 + 0.003)
+        controller.end_to_end(1, seconds, 2, prompt, speculating=True)
+    # 2 tokens per 1.6 plain steps, and 3 plain steps of the draft's prompt work every 11
+    # (counting the target's prefill as well: 0.72).
+    true = 2.0 / (1.6 + 3 / 11)
+    assert controller.end_to_end_speedup(1) == pytest.approx(true, rel=0.03)
