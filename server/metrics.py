@@ -150,6 +150,7 @@ IDLE_REASONS = (
     "not_paying",
     "batch_too_large",
     "too_short",
+    "prefill",
     "calibrating",
     "disabled",
     "logit_bias",

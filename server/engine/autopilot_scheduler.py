@@ -129,7 +129,7 @@ class AutopilotScheduler(Scheduler):
         behind = self._draft_behind(output)
         caps = self._request_caps(request_ids)
         decision = self._with_request_caps(
-            self._decide(request_ids, behind, caps), request_ids, caps
+            self._decide(output.num_scheduled_tokens, behind, caps), request_ids, caps
         )
         output.num_spec_tokens_to_schedule = decision.k
         self._caught_up = sum(behind.values()) if decision.k else 0
@@ -166,8 +166,10 @@ class AutopilotScheduler(Scheduler):
                 self._draft_seen[request_id] = request.num_computed_tokens
 
     def _decide(
-        self, request_ids: list[str], behind: dict[str, int], caps: dict[str, int]
+        self, scheduled: dict[str, int], behind: dict[str, int], caps: dict[str, int]
     ) -> Decision:
+        """The step's decision; scheduled: the tokens each request computes in it."""
+        request_ids = list(scheduled)
         if any(_has_logit_bias(self.requests[r]) for r in request_ids):
             # vLLM's rejection sampler does not add logit_bias at verified draft positions, so
             # no draft may reach a biased request: nothing is proposed at the end of its steps,
@@ -189,9 +191,13 @@ class AutopilotScheduler(Scheduler):
             if self._max_batch is not None and len(request_ids) > self._max_batch:
                 return Decision(0, {}, "batch_too_large", 1.0, False)
             return Decision(self.num_spec_tokens, {}, None, 1.0, False)
-        return self._controller.choose({r: self._state(r, behind, caps) for r in request_ids})
+        return self._controller.choose(
+            {r: self._state(r, scheduled[r], behind, caps) for r in request_ids}
+        )
 
-    def _state(self, request_id: str, behind: dict[str, int], caps: dict[str, int]) -> RequestState:
+    def _state(
+        self, request_id: str, scheduled: int, behind: dict[str, int], caps: dict[str, int]
+    ) -> RequestState:
         request = self.requests[request_id]
         max_tokens = max(1, request.max_tokens or 1)
         return RequestState(
@@ -200,6 +206,8 @@ class AutopilotScheduler(Scheduler):
             prompt_tokens=request.num_prompt_tokens,
             max_tokens=max_tokens,
             draft_cap=caps.get(request_id),
+            # vLLM has already advanced num_computed_tokens past this step's tokens.
+            prefilling=request.num_computed_tokens - scheduled < request.num_prompt_tokens,
         )
 
     def _with_request_caps(

@@ -291,3 +291,23 @@ def test_end_to_end_counts_every_step_but_probes_and_what_verifies_them() -> Non
         (0.5, 3, 0, True),
         (0.5, 1, 0, False),
     ]
+
+
+def test_a_request_is_prefilling_while_its_step_starts_inside_its_prompt() -> None:
+    scheduler = object.__new__(autopilot_scheduler.AutopilotScheduler)
+
+    def state(computed_after: int, scheduled: int) -> Any:
+        scheduler.requests = {
+            "r": SimpleNamespace(
+                max_tokens=32,
+                num_output_tokens=0,
+                num_prompt_tokens=80,
+                num_computed_tokens=computed_after,
+            )
+        }
+        return scheduler._state("r", scheduled, {"r": 0}, {})
+
+    assert state(80, 80).prefilling  # the whole prompt
+    assert state(80, 30).prefilling  # its last chunk
+    assert not state(81, 1).prefilling  # its first decode step
+    assert not state(84, 3).prefilling  # a step verifying two drafts

@@ -395,6 +395,18 @@ def test_each_request_pays_for_its_own_prompts_catch_up(max_tokens: int, pays: b
     assert controller.choose({"r": RequestState(tokens_left=max_tokens)}).k > 0
 
 
+def test_a_step_of_prefills_only_runs_at_k_zero_and_a_prefill_joining_decodes_does_not() -> None:
+    """Requests sent together reach the engine apart: the first is prefilled alone, the rest
+    join it a step later. Its drafts would be verified by all of them, so the K is chosen
+    once some request decodes."""
+    controller = Controller(K_MAX, calibrated_with_catch_up(CPU), tracker_with_acceptance(0.9))
+    alone = controller.choose({"r": RequestState(prefilling=True)})
+    assert (alone.k, alone.reason, alone.probing) == (0, "prefill", False)
+    assert controller.choose({"r": RequestState()}).k > 0
+    joining = controller.choose({"r": RequestState(), "new": RequestState(prefilling=True)})
+    assert joining.reason != "prefill"
+
+
 def test_no_probe_when_even_perfect_acceptance_could_not_pay_back_the_catch_up() -> None:
     cost = calibrated_with_catch_up(CPU)
     controller = Controller(K_MAX, cost, tracker_with_acceptance(0.1))

@@ -212,6 +212,6 @@ def _scheduler(mode: str, biased: set[str]) -> Any:
 @pytest.mark.parametrize(("mode", "k"), [("fixed", 3), ("script", 2)])
 def test_a_step_holding_a_biased_request_proposes_no_drafts(mode: str, k: int) -> None:
     scheduler = _scheduler(mode, biased={"b"})
-    assert scheduler._decide(["a"], {}, {}).k == k
-    decision = scheduler._decide(["a", "b"], {}, {})
+    assert scheduler._decide({"a": 1}, {}, {}).k == k
+    decision = scheduler._decide({"a": 1, "b": 1}, {}, {})
     assert (decision.k, decision.reason) == (0, "logit_bias")
