@@ -731,11 +731,11 @@ class Controller:
         replace those finishing. In steady traffic a request is replaced when it ends, and one
         producing t tokens per step of a reply of n ends 1/(n/t) times per step; its successor,
         if the batch speculates, has the draft catch up on a prompt like its own. Paid once
-        per request, it is what a request's own speedup must earn back: on a 2-core CPU an
-        80-token prompt's catch-up took ~0.6 s, while eight 32-token requests at K = 2 saved
-        ~0.1 s per step, and a new one joined every ~3 steps (code at eight requests ran at
-        0.90x of K = 0 when each catch-up was priced against the whole batch's savings).
-        Nothing at K = 0: the draft idles."""
+        per request, it is what a request's own speedup must earn back: on a 2-core CPU the
+        draft catches up ~0.0075 s per prompt token, and at eight code requests of 32 tokens a
+        new one joins every few steps (that cell ran at 0.90x of K = 0 with each catch-up priced
+        against the whole batch's savings, at 1.01x priced this way). Nothing at K = 0: the
+        draft idles."""
         per_token = self._cost.catch_up_seconds(1)
         return [
             0.0
