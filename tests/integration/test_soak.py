@@ -15,7 +15,6 @@ import asyncio
 import json
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.integration.conftest import TinyModels
+from tests.integration.conftest import TinyModels, tiny_serve_command
 from tests.net import free_port, wait_until, wait_until_up
 from tests.redis_server import RedisServer
 
@@ -236,16 +235,13 @@ async def test_two_rounds_of_hostile_traffic_leave_nothing_behind(
     _write_keys(key_file, 0)
     port, metrics_port = free_port(), free_port()
     log = tmp_path / "server.log"
-    command = [
-        sys.executable, "-m", "server", "serve",
-        "--model", str(tiny.target), "--draft-model", str(tiny.close_draft),
-        "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "2048",
-        "--kv-cache-gib", "1", "--port", str(port), "--metrics-port", str(metrics_port),
+    command = tiny_serve_command(
+        tiny, port, metrics_port,
         "--api-key-file", str(key_file), "--rate-limit-store", redis_server.url,
         "--max-concurrent-requests", str(MAX_RUNNING),
         "--max-queued-requests", str(MAX_QUEUED),
         "--request-timeout-seconds", str(REQUEST_TIMEOUT_SECONDS),
-    ]  # fmt: skip
+    )  # fmt: skip
     with log.open("w") as out:
         popen = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True)
     soak = Soak(popen, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics")
