@@ -500,12 +500,12 @@ def test_acceptance_counts_the_accepted_prefix_and_blends_requests_with_overall(
     tracker.observe("a", verified=3, accepted=1)
     # Overall: p0 = (1 + 2*0.5) / (1 + 2); p1 = (0 + 2*p0) / (1 + 2); p2 carries p1 forward.
     assert tracker.position_rates() == pytest.approx([2 / 3, 4 / 9, 4 / 9])
-    # Request: own counts plus 2 pseudo-counts of a prior: at position 0 the overall rate,
-    # deeper its own previous position (p2, never reached, carries p1).
-    # p0 = (1 + 2 * 2/3) / (1 + 2), p1 = (0 + 2 * p0) / (1 + 2).
-    assert tracker.position_rates("a") == pytest.approx([7 / 9, 14 / 27, 14 / 27])
+    # Request: own counts plus 2 pseudo-counts of the overall rate at the same position
+    # (p2, never reached, is the overall p2).
+    # p0 = (1 + 2 * 2/3) / (1 + 2), p1 = (0 + 2 * 4/9) / (1 + 2).
+    assert tracker.position_rates("a") == pytest.approx([7 / 9, 8 / 27, 4 / 9])
     # A request without drafts of its own is assumed to be like the traffic.
-    assert tracker.position_rates("unknown") == pytest.approx([2 / 3, 2 / 3, 2 / 3])
+    assert tracker.position_rates("unknown") == pytest.approx([2 / 3, 4 / 9, 4 / 9])
 
     tracker.observe("b", verified=2, accepted=2)  # both accepted: positions 0, 1 reached
     tracker.observe("b", verified=0, accepted=0)  # nothing verified: no news, no ageing
@@ -516,9 +516,27 @@ def test_acceptance_counts_the_accepted_prefix_and_blends_requests_with_overall(
     assert overall[2] == pytest.approx(overall[1])
 
     tracker.forget("a")
-    assert tracker.position_rates("a") == pytest.approx([overall[0]] * 3)  # like the traffic
+    assert tracker.position_rates("a") == pytest.approx(overall)  # like the traffic
     with pytest.raises(ValueError):
         tracker.observe("b", verified=1, accepted=2)
+
+
+def test_one_rejection_lowers_that_position_only_not_every_deeper_one() -> None:
+    """A code request in code traffic (drafts accepted ~95%) has one draft rejected at the
+    second position: that position drops, the deeper ones keep the traffic's rates (with the
+    deeper ones chained to it, all three dropped to ~0.64 and K fell to 1-2 for steps)."""
+    tracker = AcceptanceTracker(4, half_life_steps=math.inf, prior_strength=2.0)
+    rng = random.Random(0)
+    for i in range(400):
+        verified = 4
+        accepted = next((p for p in range(verified) if rng.random() >= 0.95), verified)
+        tracker.observe(f"traffic-{i % 8}", verified, accepted)
+    assert all(rate > 0.9 for rate in tracker.position_rates())
+    tracker.observe("code", verified=4, accepted=1)
+    overall, rates = tracker.position_rates(), tracker.position_rates("code")
+    assert rates[1] == pytest.approx(2 * overall[1] / 3)
+    assert rates[2:] == pytest.approx(overall[2:])
+    assert expected_tokens_per_step(rates, 4) > expected_tokens_per_step(rates, 2) + 1.0
 
 
 def test_acceptance_halves_old_evidence_every_half_life() -> None:
