@@ -43,6 +43,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--no-stream", action="store_true", help="whole responses (no ITL)")
     parser.add_argument("--warmup", type=int, default=1, help="unrecorded requests per server")
+    parser.add_argument(
+        "--no-settle",
+        action="store_true",
+        help="skip the unrecorded block per server at the measured load before the recorded ones",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", help="model name to send (default: the server's first)")
     parser.add_argument("--api-key", help="Bearer key for /v1/* and /metrics")
@@ -147,12 +152,13 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 def _config(args: argparse.Namespace) -> dict[str, Any]:
     keys = [
         "workload", "num_requests", "duration", "request_rate", "burstiness",
-        "max_concurrency", "max_tokens", "temperature", "no_stream", "warmup", "seed",
-        "rounds", "goodput",
+        "max_concurrency", "max_tokens", "temperature", "no_stream", "warmup", "no_settle",
+        "seed", "rounds", "goodput",
     ]  # fmt: skip
     config = {k: getattr(args, k, None) for k in keys}
     config["request_rate"] = None if math.isinf(args.request_rate) else args.request_rate
     config["stream"] = not config.pop("no_stream")
+    config["settle"] = not config.pop("no_settle")
     return config
 
 
@@ -186,6 +192,7 @@ async def _measure(
         rounds=getattr(args, "rounds", 1),
         seed=args.seed,
         show_progress=not args.no_progress,
+        settle=not args.no_settle,
     )
     slos = parse_slos(args.goodput)
     return {s.label: server_result(s, slos) for s in servers}

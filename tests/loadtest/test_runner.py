@@ -86,6 +86,24 @@ async def test_one_url_with_two_bodies_is_two_sides_with_blocks_per_round() -> N
         assert all(block["duration_s"] > 0 for block in server.blocks)
 
 
+async def test_settling_sends_an_unrecorded_block_per_server_at_the_load_first() -> None:
+    log: list[tuple[str, str]] = []
+    a, b = Scripted("a", log, delay=0.02), Scripted("b", log, delay=0.02)
+    servers = [a.server(), b.server()]
+    await measure(
+        servers, ITEMS, Load(concurrency=3), Options(), num_requests=6, duration=None,
+        rounds=2, seed=7, show_progress=False, settle=True,
+    )  # fmt: skip
+    # Three settling requests each (one per in-flight slot), then ABBA blocks of three.
+    assert [name for name, _ in log] == list("aaabbbaaabbbbbbaaa")
+    assert a.most_in_flight == b.most_in_flight == 3
+    first_prompts = [prompt for _, prompt in log[6:9]]
+    assert sorted(prompt for _, prompt in log[:3]) == sorted(first_prompts)
+    for server in servers:
+        assert [r.index for r in server.records] == list(range(6))
+        assert len(server.blocks) == 2
+
+
 @pytest.mark.parametrize("concurrency", [1, 3])
 async def test_fixed_concurrency_keeps_that_many_in_flight(concurrency: int) -> None:
     scripted = Scripted("a", [], delay=0.02)
