@@ -30,6 +30,7 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--num-speculative-tokens", {"type": int}),
     ("--speculation-max-batch-size", {"type": int}),
     ("--no-speculation", {"action": "store_true"}),
+    ("--speculation-trace", {}),
     ("--served-model-name", {}),
     ("--tool-call-parser", {}),
     ("--max-model-len", {"type": int}),

@@ -100,6 +100,12 @@ class Settings(BaseSettings):
     no_speculation: bool = Field(
         False, description="Serve the target alone, without any speculation."
     )
+    speculation_trace: Path | None = Field(
+        None,
+        description="Auto mode: append one JSON line per engine step to this file (the K "
+        "chosen and why, the step's time and shape, the predicted and measured speedups): "
+        "for finding out why speculation runs or idles on your traffic. Grows ~1 KB a step.",
+    )
     served_model_name: str | None = Field(
         None, description="Model name clients use; defaults to the target's folder name."
     )

@@ -22,13 +22,14 @@ pure and imports no vLLM.
 """
 
 import itertools
+import json
 import logging
 import os
 import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
+from typing import Any, TextIO
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -52,6 +53,7 @@ MAX_BATCH_ENV = "SPECSERVE_SPECULATION_MAX_BATCH_SIZE"
 CALIBRATION_PREFIX = "specserve-calibrate-"
 MAX_DRAFT_TOKENS_ARG = "specserve_max_draft_tokens"  # a request's cap, in extra_args
 SCRIPT_ENV = "SPECSERVE_SPECULATION_SCRIPT"  # "0x4,3x4,1": K for so many steps, cycled
+TRACE_ENV = "SPECSERVE_SPECULATION_TRACE"  # one JSON line per step appended here
 
 
 def parse_script(text: str) -> list[int]:
@@ -119,6 +121,10 @@ class AutopilotScheduler(Scheduler):
         self._verified_k = 0  # the K the step being run verifies (its predecessor's)
         self._verified_probe = False  # and whether that K was a probe's (or calibration's)
         self._reporter = Reporter("scheduler")
+        trace = os.environ.get(TRACE_ENV)
+        # Line-buffered: a line per step reaches the file as the step ends.
+        # Open for the engine core's life: it ends with the process.
+        self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115
         logger.info("specserve: speculation %s, K up to %d", self._mode, self.num_spec_tokens)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
@@ -290,7 +296,38 @@ class AutopilotScheduler(Scheduler):
                 self._controller.realised(decision.predicted_speedup, speedup, step.batch_size)
         self._verified_k = decision.k  # what the next step verifies
         self._verified_probe = decision.probing
+        if self._trace is not None:
+            self._write_trace(self._trace, step, generated, decision)
         return step
+
+    def _write_trace(
+        self, trace: TextIO, step: StepRecord, generated: int, decision: Decision
+    ) -> None:
+        """The step, the decision it ran under and what the controller knew then."""
+        ready = self._cost.ready
+        line = {
+            "time": time.time(),
+            "seconds": step.duration,
+            "batch": step.batch_size,
+            "verified": step.verified_tokens,
+            "prefill_tokens": step.prefill_tokens,
+            "caught_up": step.caught_up_tokens,
+            "generated": generated,
+            "k": decision.k,
+            "caps": sorted(decision.per_request_k.values()),
+            "reason": decision.reason,
+            "probing": decision.probing,
+            "predicted_speedup": decision.predicted_speedup,
+            "predicted_seconds_by_k": [
+                self._cost.predict(step.batch_size, k) for k in range(self.num_spec_tokens + 1)
+            ]
+            if ready
+            else None,
+            "acceptance_by_position": self._acceptance.position_rates(),
+            "end_to_end_speedup": self._controller.end_to_end_speedup(step.batch_size),
+            "realised_fraction": self._controller.realised_fraction(step.batch_size),
+        }
+        trace.write(json.dumps(line) + "\n")
 
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:
         super().update_draft_token_ids(draft_token_ids)

@@ -60,6 +60,7 @@ def resolve(settings: Settings) -> EngineConfig:
         speculation_mode=settings.speculation,
         num_speculative_tokens=settings.speculative_tokens,
         speculation_max_batch_size=settings.speculation_max_batch_size,
+        speculation_trace=settings.speculation_trace,
         max_model_len=settings.max_model_len,
         dtype=settings.dtype,
         seed=settings.seed,

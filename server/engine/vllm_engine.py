@@ -80,6 +80,7 @@ class EngineConfig:
     speculation_mode: Literal["auto", "fixed"] = "auto"
     # vLLM's weight-loading progress bars: for a terminal, not for a log pipeline.
     progress_bars: bool = True
+    speculation_trace: Path | None = None  # auto mode: one JSON line per engine step here
     # Tests only: K forced per engine step ("0x4,3x4,1": K for so many steps, cycled).
     speculation_script: str | None = None
 
@@ -232,6 +233,8 @@ class VllmEngine:
         os.environ[autopilot_scheduler.MODE_ENV] = mode
         os.environ[autopilot_scheduler.MAX_BATCH_ENV] = str(config.speculation_max_batch_size)
         os.environ[autopilot_scheduler.SCRIPT_ENV] = config.speculation_script or ""
+        trace = config.speculation_trace
+        os.environ[autopilot_scheduler.TRACE_ENV] = str(trace.resolve()) if trace else ""
         os.environ[SOCKET_ENV] = self._feed.path
         os.environ[draft_sync.ENABLED_ENV] = "1"
         # This scheduler keeps biased requests off drafts, so vLLM's refusal of logit_bias

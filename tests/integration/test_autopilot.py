@@ -1,12 +1,15 @@
 """The speculation autopilot on the real engine: K switching per step stays
 lossless, the draft does not run at K=0 and catches up after, and auto mode
-calibrates, decides and reports.
+calibrates, decides, reports and traces its steps.
 
 A forced K sequence ("script", cycled per engine step) drives the switching:
 0 for 4 steps, 3 for 4, 0 for 4, 1 for 4, 2 for 4.
 """
 
+import json
+from collections import Counter
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -43,9 +46,18 @@ async def scripted_self_draft(tiny: TinyModels) -> AsyncIterator[RunningServer]:
 
 
 @pytest.fixture(scope="module")
-async def auto_server(tiny: TinyModels) -> AsyncIterator[RunningServer]:
+def trace_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("trace") / "steps.jsonl"
+
+
+@pytest.fixture(scope="module")
+async def auto_server(tiny: TinyModels, trace_file: Path) -> AsyncIterator[RunningServer]:
     config = tiny_engine_config(
-        tiny, tiny.close_draft, served_model_name="tiny-auto", speculation_mode="auto"
+        tiny,
+        tiny.close_draft,
+        served_model_name="tiny-auto",
+        speculation_mode="auto",
+        speculation_trace=trace_file,
     )
     async for running in serve(config):
         yield running
@@ -142,6 +154,24 @@ async def test_auto_mode_calibrates_decides_and_reports(auto_server: RunningServ
     assert REGISTRY.get_sample_value("specserve_speculation_k_in_force", labels) is not None
     assert REGISTRY.get_sample_value("specserve_speculation_predicted_speedup", labels) > 0
     assert "specserve_speculation_steps_total{" in text
+
+
+async def test_auto_mode_traces_every_step(auto_server: RunningServer, trace_file: Path) -> None:
+    async with httpx.AsyncClient(base_url=auto_server.base_url, timeout=120) as http:
+        response = await http.post(
+            "/v1/completions",
+            json={"model": "tiny-auto", "prompt": "def sub(a, b):", "max_tokens": 16},
+        )
+        assert response.status_code == 200
+    scheduler, _ = _reports(auto_server)
+    steps = [json.loads(line) for line in trace_file.read_text().splitlines()]
+    # One line per step the engine ran, calibration included, with the K it ran.
+    assert Counter(str(step["k"]) for step in steps) == Counter(scheduler["steps_by_k"])
+    prefill = [s for s in steps if s["reason"] == "prefill"]
+    assert prefill and all(s["prefill_tokens"] > 0 and s["k"] == 0 for s in prefill), prefill
+    last = steps[-1]
+    assert last["seconds"] > 0 and last["batch"] == 1 and last["generated"] >= 1, last
+    assert len(last["predicted_seconds_by_k"]) == 4 and len(last["acceptance_by_position"]) == 3
 
 
 async def test_a_request_caps_its_own_drafts(scripted_self_draft: RunningServer) -> None:

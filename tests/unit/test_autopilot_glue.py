@@ -225,6 +225,7 @@ def _observing_scheduler(mode: str) -> Any:
     scheduler._measured_speedup = None
     scheduler._verified_k = 0
     scheduler._verified_probe = False
+    scheduler._trace = None
     return scheduler
 
 
