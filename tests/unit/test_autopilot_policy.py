@@ -571,6 +571,28 @@ def test_predicted_step_time_is_always_positive() -> None:
     assert cost.verify_seconds_per_token() >= 0
 
 
+def test_a_step_with_drafts_is_never_predicted_below_a_plain_step() -> None:
+    """Calibrated while the machine ran 4x slow, then K=3 measured at its real time while
+    the fit still said 4x: once the fit is right, moving those samples by its change put
+    K=3 at 0 s (a predicted speedup of 10^6 on a 2-core CPU)."""
+
+    def seconds(k: int, slow: float = 1.0) -> float:
+        return slow * (0.15 + 0.053 * k)
+
+    cost = CostModel()
+    for k in range(5):
+        for verified in (max(k - 1, 0), k):  # the first step of a K verifies the K before
+            cost.observe(StepRecord(seconds(k, slow=4.0), 1, verified, k, 0))
+    assert cost.ready
+    for _ in range(5):
+        cost.observe(StepRecord(seconds(3), 1, 3, 3, 0))
+    for step in range(120):
+        k = 2 if step % 4 == 0 else 0
+        cost.observe(StepRecord(seconds(k), 1, k, k, 0))
+    assert cost.predict(1, 0) == pytest.approx(seconds(0), rel=0.01)
+    assert all(cost.predict(1, k) >= cost.predict(1, 0) for k in range(1, 5))
+
+
 def test_measured_batch_costs_outlive_the_window() -> None:
     """Step time is not linear in the batch on a CPU: rows are nearly free until the matmuls
     turn compute-bound. Calibration measures batch 4; a long stretch of batch-1 traffic must
