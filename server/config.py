@@ -257,6 +257,8 @@ class Settings(BaseSettings):
                 and not Path(value).expanduser().is_dir()
             ):
                 raise ValueError(f"{name}: folder {value!r} does not exist")
+        if self.speculation_trace is not None and self.speculation_trace.is_dir():
+            raise ValueError(f"speculation_trace {self.speculation_trace} is a folder, not a file")
         if self.api_key_file is not None and not self.api_key_file.is_file():
             raise ValueError(f"api_key_file {self.api_key_file} does not exist")
         if self.draft_model is not None and self.speculative_method == "ngram":

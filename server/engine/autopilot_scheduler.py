@@ -53,7 +53,9 @@ MAX_BATCH_ENV = "SPECSERVE_SPECULATION_MAX_BATCH_SIZE"
 CALIBRATION_PREFIX = "specserve-calibrate-"
 MAX_DRAFT_TOKENS_ARG = "specserve_max_draft_tokens"  # a request's cap, in extra_args
 SCRIPT_ENV = "SPECSERVE_SPECULATION_SCRIPT"  # "0x4,3x4,1": K for so many steps, cycled
-TRACE_ENV = "SPECSERVE_SPECULATION_TRACE"  # one JSON line per step appended here
+# One JSON line per step appended here. Not the setting's own variable: the engine sets this
+# in its process, and processes started from there would read it as the setting.
+TRACE_ENV = "SPECSERVE_SPECULATION_TRACE_FILE"
 
 
 def parse_script(text: str) -> list[int]:

