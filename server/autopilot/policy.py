@@ -31,7 +31,7 @@ _LONG_FORGETTING = 0.999
 # the largest value of the feature seen. In a window of K = 0 steps only the rare resumption
 # prices the draft and its catch-up; without this, each one alone set those costs (seen on a
 # 2-core CPU: the draft's cost per pass swung from 0.06 to 0.3 s within minutes, and 0.87 s
-# after an hour), and a measured shape's time moves with the fit (see _measured_seconds).
+# after an hour).
 _PRIOR_STEPS = 2.0
 # Acceptance before any data: optimistic enough that a cheap draft gets tried, honest in that
 # it is below what code reaches (~0.9) and about what prose does.
@@ -88,6 +88,14 @@ class StepRecord:
     caught_up_tokens: int = 0  # positions the draft caught up on before proposing (K > 0 only)
 
 
+@dataclass(frozen=True)
+class _ShapeSample:
+    """One steady step of a measured shape, and what it is read against later."""
+
+    seconds: float
+    plain: float  # the plain step's time at its batch size when it was taken (K = 0: seconds)
+
+
 def _features(batch_size: int, verified: int, proposed: int, caught_up: int = 0) -> list[float]:
     # Step time = a + b*B + c*V + P*(d + e*B) + u*U: fixed cost, each request's own token, each
     # verified draft, P draft passes with a fixed and a per-request part, and each position the
@@ -135,12 +143,12 @@ class CostModel:
         self._ready = False
         self._shapes: dict[int, set[tuple[int, int]]] = {}  # batch size -> (V, P) seen, until ready
         # (batch size, K) -> the last few steady steps of that shape (every request verified
-        # K, the draft proposed K, caught up on nothing), each as (seconds, the fit's time for
-        # the shape then). Kept when the window moves on: step time is not linear in the batch
-        # (rows are nearly free until the matmuls turn compute-bound, then cost in full), so a
-        # measured shape (the startup calibration measures K = 0..k_max at two batch sizes)
-        # beats extrapolating from others. See _measured_seconds for how they are read.
-        self._measured: dict[tuple[int, int], deque[tuple[float, float]]] = {}
+        # K, the draft proposed K, caught up on nothing). Kept when the window moves on: step
+        # time is not linear in the batch (rows are nearly free until the matmuls turn
+        # compute-bound, then cost in full), so a measured shape (the startup calibration
+        # measures K = 0..k_max at two batch sizes) beats extrapolating from others. See
+        # _measured_seconds for how they are read.
+        self._measured: dict[tuple[int, int], deque[_ShapeSample]] = {}
 
     def observe(self, step: StepRecord) -> None:
         if step.prefill_tokens > 0 or step.batch_size <= 0:
@@ -169,9 +177,10 @@ class CostModel:
                 self._shapes.clear()
                 self._theta = _assume_batch_split(self._theta, step.batch_size)
                 self._long_theta = list(self._theta)
+                # Taken before there was a fit: they start from what it says now.
                 self._measured = {
                     shape: deque(
-                        [(seconds, self._fit(*shape)) for seconds, _ in samples],
+                        [self._sample(shape, sample.seconds) for sample in samples],
                         maxlen=_SHAPE_SAMPLES,
                     )
                     for shape, samples in self._measured.items()
@@ -179,7 +188,11 @@ class CostModel:
         if step.verified_tokens == step.batch_size * step.proposed_k:
             shape = (step.batch_size, step.proposed_k)
             samples = self._measured.setdefault(shape, deque(maxlen=_SHAPE_SAMPLES))
-            samples.append((step.duration, self._fit(*shape)))
+            samples.append(self._sample(shape, step.duration))
+
+    def _sample(self, shape: tuple[int, int], seconds: float) -> "_ShapeSample":
+        batch_size, k = shape
+        return _ShapeSample(seconds, self._shape_seconds(batch_size, 0) if k else seconds)
 
     def _add(self, x: list[float], seconds: float, sign: float) -> None:  # one step in or out
         for i, xi in enumerate(x):
@@ -204,16 +217,20 @@ class CostModel:
         return self._ready
 
     def _measured_seconds(self, shape: tuple[int, int]) -> float:
-        """The low median of the shape's samples. A sample with drafts moves with what the fit
-        learnt since it was taken (a slower draft); the plain step (K = 0) keeps its own samples
-        as they are: it is measured whenever speculation is off, and reading another shape's
+        """The low median of the shape's samples. The plain step (K = 0) keeps its samples as
+        they are: it is measured whenever speculation is off, and reading another shape's
         misfit into it would inflate the baseline speculation is judged against, which nothing
-        measures again while speculation stays on."""
+        measures again while speculation stays on. A sample with drafts is the plain step of
+        its batch size then plus what its drafts cost: it moves with that plain step (the
+        machine slowed, the contexts grew), not with the fit, which rounds at other batch sizes
+        bend (on a 2-core CPU, after rounds at 4 and 8 requests, K = 2 at one request measured
+        at 1.5x a plain step read 1.9x when moved by the fit's change). What drafts cost is
+        measured again by every steady step of the shape."""
         samples = self._measured[shape]
         if shape[1] == 0:
-            return _low_median([seconds for seconds, _ in samples])
-        fit = self._fit(*shape)
-        return _low_median([seconds + fit - fit_then for seconds, fit_then in samples])
+            return _low_median([sample.seconds for sample in samples])
+        plain = self._shape_seconds(shape[0], 0)
+        return _low_median([sample.seconds + plain - sample.plain for sample in samples])
 
     def _is_measured(self, shape: tuple[int, int]) -> bool:
         """Enough samples to stand for the shape: two for the plain step, so that one slow
@@ -234,10 +251,10 @@ class CostModel:
         turned on at 8 requests at 0.8x); with nothing measured at this K, the fit.
 
         A step with drafts does all a plain step does and more, so K > 0 is never put below
-        K = 0. A measured shape moves with the fit since it was measured, and a fit that was
-        far off then (calibrated while the machine was busy: steps 3-4x their usual time)
-        moves it by as much: on a 2-core CPU samples of K = 3 taken at 0.3 s when the fit said
-        0.8-0.9 s read 0.0 s once the fit was right, a predicted speedup of 10^6.
+        K = 0. A measured shape moves with its plain step since it was measured, and a plain
+        step far off then (calibrated while the machine was busy: steps 3-4x their usual time)
+        moves it by as much: on a 2-core CPU samples of K = 3 taken at 0.3 s against a plain
+        step of 0.6 s would read below 0 s once the plain step is measured at its usual time.
         """
         seconds = self._shape_seconds(batch_size, k)
         if k > 0:
@@ -504,10 +521,11 @@ class Decision:
 class Controller:
     """Each step, the K in 0..k_max with the most predicted output tokens per second.
 
-    K > 0 only when it beats K = 0 by min_gain: noise must never make users slower than no
-    speculation, and the prediction is of steady decode steps, which miss what arrivals,
-    prefills and K changes cost (on a 2-core CPU, end-to-end runs at 2-4 requests realised
-    0.8-0.9 of the predicted speedup). The predicted speedup is first scaled by the fraction
+    K > 0 only when it beats K = 0 by min_gain, a margin for the noise in the estimates: what
+    steady predictions miss is measured and taken off before it (the realised fraction and the
+    end-to-end check below); at 10% the margin discounted that a second time, and on a 2-core
+    CPU prose at one request speculated in 17% of steps where fixed K = 2 ran 1.23x as fast
+    as K = 0. The predicted speedup is first scaled by the fraction
     of it that steady speculating steps at the same batch size have realised (see realised(),
     at most 1): choosing the requests whose acceptance estimate is high picks some that are
     high by chance, and the model's step times can be off, so on prose at one request the model
@@ -537,7 +555,7 @@ class Controller:
         cost: CostModel,
         acceptance: AcceptanceTracker,
         *,
-        min_gain: float = 0.10,
+        min_gain: float = 0.05,
         probe_interval_steps: int = 16,
         max_probe_interval_steps: int = 512,
     ) -> None:

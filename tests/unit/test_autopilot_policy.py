@@ -888,3 +888,22 @@ def test_prefill_steps_do_not_make_the_side_with_more_of_them_read_slower() -> N
     # (counting the target's prefill as well: 0.72).
     true = 2.0 / (1.6 + 3 / 11)
     assert controller.end_to_end_speedup(1) == pytest.approx(true, rel=0.03)
+
+
+def test_a_measured_shape_moves_with_its_own_plain_step_not_with_other_batch_sizes() -> None:
+    """Seen on a 2-core CPU: after rounds at 4 and 8 requests taught the fit their costs, K = 2
+    at one request, measured at 1.5x a plain step, read 1.9x (moved by the whole fit's change),
+    and prose at one request stayed at K = 0 where fixed K = 2 ran 1.23x as fast. A measured
+    shape keeps its measured cost of drafting; it moves with its batch size's plain step, which
+    is measured whenever speculation is off."""
+    cost = calibrated_at_one_and_four()
+    for _ in range(5):
+        cost.observe(StepRecord(nonlinear_seconds(1, 2), 1, 2, 2, 0))
+    for _ in range(300):
+        cost.observe(StepRecord(nonlinear_seconds(8, 0), 8, 0, 0, 0))
+    assert cost.predict(1, 2) == pytest.approx(nonlinear_seconds(1, 2), rel=0.02)
+    # The machine slows by 20% (a busy neighbour): the plain step at one request says so.
+    for _ in range(5):
+        cost.observe(StepRecord(1.2 * nonlinear_seconds(1, 0), 1, 0, 0, 0))
+    slowdown = 0.2 * nonlinear_seconds(1, 0)
+    assert cost.predict(1, 2) == pytest.approx(nonlinear_seconds(1, 2) + slowdown, rel=0.02)
