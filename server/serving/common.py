@@ -208,8 +208,8 @@ def speculation_summary(
     When no draft was verified, `reason` says why: "disabled" (no speculation
     on this server), the autopilot's reason for idling the draft while the
     request ran ("not_paying", "batch_too_large", "calibrating", "prefill": every
-    request of the step was prefilling, "too_short": too few tokens left to pay
-    back the draft catching up on the prompt,
+    request of the step was prefilling after steps of more requests, "too_short":
+    too few tokens left to pay back the draft catching up on the prompt,
     "logit_bias": the request or a neighbour carried one, which drafts must not
     reach), "requested_off" (the request's `speculation.max_draft_tokens` is 0), or
     "too_short" also when the output ended before a draft could be

@@ -148,8 +148,6 @@ async def test_auto_mode_calibrates_decides_and_reports(auto_server: RunningServ
     assert state["mode"] == "auto" and state["cost_ready"], state
     assert state["draft_seconds_per_token"] >= 0 and state["verify_seconds_per_token"] >= 0
     assert len(state["acceptance_by_position"]) == 3
-    # The lone request's prefill step ran without drafts: K is chosen once it decodes.
-    assert state["zero_steps_by_reason"].get("prefill", 0) >= 1, state
     labels = {"model": "tiny-auto"}
     assert REGISTRY.get_sample_value("specserve_speculation_k_in_force", labels) is not None
     assert REGISTRY.get_sample_value("specserve_speculation_predicted_speedup", labels) > 0
@@ -167,8 +165,10 @@ async def test_auto_mode_traces_every_step(auto_server: RunningServer, trace_fil
     steps = [json.loads(line) for line in trace_file.read_text().splitlines()]
     # One line per step the engine ran, calibration included, with the K it ran.
     assert Counter(str(step["k"]) for step in steps) == Counter(scheduler["steps_by_k"])
+    # A step idled for "prefill" is one of prompts only (after steps of more requests).
     prefill = [s for s in steps if s["reason"] == "prefill"]
-    assert prefill and all(s["prefill_tokens"] > 0 and s["k"] == 0 for s in prefill), prefill
+    assert all(s["prefill_tokens"] > 0 and s["k"] == 0 for s in prefill), prefill
+    assert any(s["prefill_tokens"] > 0 for s in steps)
     last = steps[-1]
     assert last["seconds"] > 0 and last["batch"] == 1 and last["generated"] >= 1, last
     assert len(last["predicted_seconds_by_k"]) == 4 and len(last["acceptance_by_position"]) == 3

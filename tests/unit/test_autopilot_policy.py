@@ -395,16 +395,24 @@ def test_each_request_pays_for_its_own_prompts_catch_up(max_tokens: int, pays: b
     assert controller.choose({"r": RequestState(tokens_left=max_tokens)}).k > 0
 
 
-def test_a_step_of_prefills_only_runs_at_k_zero_and_a_prefill_joining_decodes_does_not() -> None:
+def test_a_lone_prefill_drafts_unless_requests_have_lately_run_together() -> None:
     """Requests sent together reach the engine apart: the first is prefilled alone, the rest
-    join it a step later. Its drafts would be verified by all of them, so the K is chosen
-    once some request decodes."""
+    join it a step later. After steps of several requests, a step of prefills only runs at
+    K = 0: its drafts would be verified by all of them. Where requests run one at a time, it
+    drafts, so that the next step verifies drafts instead of catching up on the prompt."""
     controller = Controller(K_MAX, calibrated_with_catch_up(CPU), tracker_with_acceptance(0.9))
-    alone = controller.choose({"r": RequestState(prefilling=True)})
-    assert (alone.k, alone.reason, alone.probing) == (0, "prefill", False)
+    first = controller.choose({"r": RequestState(prefilling=True, behind=40)})
+    assert first.k > 0
     assert controller.choose({"r": RequestState()}).k > 0
-    joining = controller.choose({"r": RequestState(), "new": RequestState(prefilling=True)})
+    together = {"r": RequestState(), "s": RequestState()}
+    assert controller.choose(together).reason != "prefill"
+    alone = controller.choose({"t": RequestState(prefilling=True, behind=40)})
+    assert (alone.k, alone.reason, alone.probing) == (0, "prefill", False)
+    joining = controller.choose({"t": RequestState(), "new": RequestState(prefilling=True)})
     assert joining.reason != "prefill"
+    for _ in range(32):  # one request at a time again: the pair has left the lookback
+        controller.choose({"t": RequestState()})
+    assert controller.choose({"u": RequestState(prefilling=True, behind=40)}).k > 0
 
 
 def test_no_probe_when_even_perfect_acceptance_could_not_pay_back_the_catch_up() -> None:
