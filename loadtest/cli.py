@@ -1,4 +1,4 @@
-"""Command line: `python -m loadtest run|compare|sweep`.
+"""Command line: `python -m loadtest run|compare|sweep|frontend`.
 
     python -m loadtest run --url http://127.0.0.1:8000 --workload coding-chat \\
         --num-requests 50 --concurrency 4
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest import analysis, report, workloads
+from loadtest import analysis, frontend, report, workloads
 from loadtest.metrics import parse_slos
 from loadtest.runner import Load, Options, Server, measure, open_server, server_result, warm_up
 
@@ -350,4 +350,8 @@ async def execute(argv: list[str]) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["frontend"]:  # no server to point at: a command of its own
+        frontend.main(argv[1:])
+        return
     asyncio.run(_main(parse(argv)))

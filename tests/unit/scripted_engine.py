@@ -9,7 +9,9 @@ The integration tests run the same routes on the real vLLM engine.
 import asyncio
 import json
 import re
+import time
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from typing import Any
 
 from server.engine.base import (
@@ -21,6 +23,7 @@ from server.engine.base import (
     SpeculationInfo,
     SpeculationStats,
     TokenLogprob,
+    TokenTimes,
 )
 from server.errors import APIError, InvalidRequestError
 
@@ -111,6 +114,26 @@ class ScriptedEngine:
             raise InvalidRequestError("n must be 1 when using greedy sampling")
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
+        """Per-step deltas; a request not streamed gets one output at the end with its
+        first and last token times, as the vLLM adapter asks vLLM for it."""
+        steps = self._steps(request)
+        if request.stream:
+            async with aclosing(steps):
+                async for output in steps:
+                    yield output
+            return
+        parts: dict[int, list[ChoiceDelta]] = {}
+        first = last = 0.0
+        async with aclosing(steps):
+            async for output in steps:
+                last = time.perf_counter()
+                first = first or last
+                for choice in output.choices:
+                    parts.setdefault(choice.index, []).append(choice)
+        choices = [_whole(deltas) for _, deltas in sorted(parts.items())]
+        yield EngineOutput(len(request.prompt_token_ids), choices, TokenTimes(first, last))
+
+    async def _steps(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
         self.validate(request)
         self.requests.append(request)
         self.unfinished += 1
@@ -171,3 +194,16 @@ class ScriptedEngine:
 
     async def stop(self) -> None:
         return None
+
+
+def _whole(deltas: list[ChoiceDelta]) -> ChoiceDelta:
+    """One choice's deltas as the single output of a reply that is not streamed."""
+    logprobs = [entry for d in deltas for entry in d.logprobs or ()]
+    return ChoiceDelta(
+        deltas[0].index,
+        "".join(d.text for d in deltas),
+        [token for d in deltas for token in d.token_ids],
+        logprobs if deltas[0].logprobs is not None else None,
+        deltas[-1].finish_reason,
+        deltas[-1].speculation,
+    )

@@ -9,8 +9,8 @@ from prometheus_client import REGISTRY
 
 from server.api.instrumentation import endpoint_label
 from server.app import create_app
-from server.engine.base import EngineInfo, SpeculationStats
-from server.metrics import SpeculationWindow
+from server.engine.base import ChoiceDelta, EngineInfo, EngineOutput, SpeculationStats, TokenTimes
+from server.metrics import RequestObserver, SpeculationWindow
 from tests.unit.scripted_engine import SCRIPTED_SPECULATION, ScriptedEngine
 from tests.unit.sse import events
 
@@ -40,18 +40,18 @@ async def test_a_request_updates_counts_latency_and_speculation(client: httpx.As
                  {**SPEC, "position": "0"}),
         "per_request": ("specserve_request_acceptance_rate_count", {"model": "scripted"}),
     }  # fmt: skip
-    before = {key: sample(name, **labels) for key, (name, labels) in names.items()}
-    response = await client.post(
-        "/v1/completions", json={"model": "scripted", "prompt": "a b", "max_tokens": 4, "n": 2}
-    )
-    assert response.status_code == 200
-    delta = {key: sample(name, **labels) - before[key] for key, (name, labels) in names.items()}
-    # n=2: one TTFT and e2e for the request; per sequence, 3 gaps, one TPOT
-    # and the scripted speculation stats.
-    assert delta == {
-        "ok": 1, "tokens": 8, "prompt": 2, "ttft": 1, "itl": 6, "tpot": 2, "e2e": 1,
-        "drafts": 4, "draft_tokens": 12, "accepted": 8, "pos0": 4, "per_request": 2,
-    }  # fmt: skip
+    for stream, itl in [(True, 6), (False, 0)]:
+        before = {key: sample(name, **labels) for key, (name, labels) in names.items()}
+        body = {"model": "scripted", "prompt": "a b", "max_tokens": 4, "n": 2, "stream": stream}
+        response = await client.post("/v1/completions", json=body)
+        assert response.status_code == 200
+        delta = {key: sample(name, **labels) - before[key] for key, (name, labels) in names.items()}
+        # n=2: one TTFT and e2e for the request; per sequence one TPOT, the scripted
+        # speculation stats and, streamed, 3 gaps (a whole reply's gaps are not seen).
+        assert delta == {
+            "ok": 1, "tokens": 8, "prompt": 2, "ttft": 1, "itl": itl, "tpot": 2, "e2e": 1,
+            "drafts": 4, "draft_tokens": 12, "accepted": 8, "pos0": 4, "per_request": 2,
+        }  # fmt: skip
 
 
 async def test_body_and_headers_carry_the_request_speculation(client: httpx.AsyncClient) -> None:
@@ -220,3 +220,17 @@ async def test_the_engine_requests_gauge_reads_the_engine_at_each_scrape() -> No
             engine.unfinished = 3  # as if three requests were stuck in the engine
             scraped = (await client.get("/metrics")).text
             assert "specserve_engine_requests 3.0" in scraped.splitlines()
+
+
+def test_a_whole_reply_is_timed_by_its_engine_token_times_not_by_its_arrival() -> None:
+    """A reply not streamed arrives in one output at the end: its TTFT and TPOT are the
+    engine's first and last token times, which its arrival cannot tell."""
+    labels = {"model": "whole-reply", "endpoint": "/v1/chat/completions"}
+    observer = RequestObserver("whole-reply", labels["endpoint"], 100.0, "anonymous")
+    choice = ChoiceDelta(0, "a b c d e", [1, 2, 3, 4, 5], finish_reason="stop")
+    observer.on_output(0, EngineOutput(3, [choice], TokenTimes(first=101.0, last=103.0)))
+    observer.finish(completed=True)
+    assert sample("specserve_time_to_first_token_seconds_sum", **labels) == 1.0
+    assert sample("specserve_time_per_output_token_seconds_sum", **labels) == 0.5
+    assert sample("specserve_inter_token_latency_seconds_count", **labels) == 0
+    assert observer.output_tokens == 5
