@@ -69,6 +69,7 @@ test: models tools lint
 
 bench: models
 	$(BIN)/python scripts/bench_speculation.py --max-tokens 128
+	$(BIN)/python -m loadtest frontend --profile --output-dir loadtest-results/frontend
 
 # Speculation on/off per workload and specserve vs vLLM's server (docs/benchmarks.md).
 bench-loadtest: models
