@@ -393,6 +393,10 @@ def test_dashboard_config_map_is_the_project_dashboard(rendered: Render) -> None
     assert json.loads(config_map["data"]["specserve.json"]) == json.loads(dashboard)
 
 
+MULTI_NODE = {"multiNode.enabled": "true", "gpu.enabled": "true", "gpu.count": "4"}
+MULTI_NODE |= {"engine.tensorParallelSize": "8", "modelCache.type": "emptyDir"}
+
+
 @pytest.mark.parametrize(
     ("sets", "message"),
     [
@@ -403,6 +407,14 @@ def test_dashboard_config_map_is_the_project_dashboard(rendered: Render) -> None
         ({"speculation.numSpeculativeTokens": "0"}, "minimum"),
         ({"modelCache.type": "hostPath"}, "modelCache/type"),
         ({"unknownValue": "1"}, "additional properties"),
+        ({**MULTI_NODE, "gpu.enabled": "false"}, "multiNode needs gpu.enabled"),
+        ({**MULTI_NODE, "multiNode.size": "1"}, "don't meet the specifications of the schema"),
+        ({**MULTI_NODE, "engine.tensorParallelSize": "4"}, "must equal multiNode.size x gpu"),
+        ({**MULTI_NODE, "modelCache.type": "pvc"}, "modelCache.accessModes needs ReadWriteMany"),
+        (
+            {**MULTI_NODE, "engine.tensorParallelSize": "4", "engine.pipelineParallelSize": "2"},
+            "cannot run a draft model",
+        ),
     ],
 )
 def test_chart_refuses_settings_that_cannot_work(sets: dict[str, str], message: str) -> None:
@@ -458,10 +470,6 @@ def test_readme_documents_every_value_and_schema_knows_it() -> None:
             node = node["properties"][part]
 
 
-MULTI_NODE = {"multiNode.enabled": "true", "gpu.enabled": "true", "gpu.count": "4"}
-MULTI_NODE |= {"engine.tensorParallelSize": "8", "modelCache.type": "emptyDir"}
-
-
 def test_multi_node_is_a_leaderworkerset_whose_leader_serves_once_its_workers_join(
     rendered: Render,
 ) -> None:
@@ -512,30 +520,6 @@ def test_autoscalers_scale_whole_multi_node_replicas(rendered: Render) -> None:
             "LeaderWorkerSet",
         )
         assert "replicas" not in only(manifests, "LeaderWorkerSet")["spec"]
-
-
-@pytest.mark.parametrize(
-    ("sets", "message"),
-    [
-        ({"gpu.enabled": "false"}, "multiNode needs gpu.enabled"),
-        ({"multiNode.size": "1"}, "values don't meet the specifications of the schema"),
-        ({"engine.tensorParallelSize": "4"}, "must equal multiNode.size x gpu.count"),
-        ({"modelCache.type": "pvc"}, "modelCache.accessModes needs ReadWriteMany"),
-        (
-            {"engine.tensorParallelSize": "4", "engine.pipelineParallelSize": "2"},
-            "cannot run a draft model",
-        ),
-    ],
-)
-def test_impossible_multi_node_settings_fail_with_one_line(
-    sets: dict[str, str], message: str
-) -> None:
-    args = ["template", RELEASE, str(CHART)]
-    for key, value in {**MULTI_NODE, **sets}.items():
-        args += ["--set", f"{key}={value}"]
-    result = helm(*args)
-    assert result.returncode != 0
-    assert message in result.stderr, result.stderr
 
 
 def test_pipeline_stages_with_ngram_speculation_render_on_several_nodes(rendered: Render) -> None:
