@@ -9,7 +9,9 @@
 2. Stops the speculative server, starts vLLM's own OpenAI server with the
    engine settings specserve uses on CPU (eager, bf16, seed 0, same
    max-num-seqs and KV cache, all cores bound, Intel OpenMP preloaded), and
-   compares specserve without speculation against it: what our front end costs.
+   compares specserve without speculation against it, streamed and whole
+   replies, one full batch per server per round (two requests at
+   concurrency 1): what our front end costs.
 
 Every loadtest command is printed and written to <out>/commands.txt; each
 run's results.json, summary.md and plots go to a folder under <out>, and
@@ -30,6 +32,8 @@ from pathlib import Path
 
 import httpx
 
+from loadtest.analysis import ratio
+from loadtest.report import paired
 from loadtest.workloads import BUNDLED
 
 
@@ -117,21 +121,35 @@ def tables(out: Path) -> str:
         "",
         "### Front end: specserve vs vLLM's OpenAI server (no speculation, same engine)",
         "",
-        "| workload | concurrency | vLLM tok/s | specserve tok/s | ratio | TTFT p50 ms vLLM / "
-        "specserve | TPOT p50 ms vLLM / specserve | ITL p50 ms vLLM / specserve |",
-        "|---|---|---|---|---|---|---|---|",
+        "Ratio: specserve's output tokens/s over vLLM's, round by round (95% interval). "
+        "Latency: TPOT p50 for streamed replies, E2EL p50 for whole ones (a client sees "
+        "no token of those before the last).",
+        "",
+        "| workload | replies | concurrency | vLLM tok/s | specserve tok/s | ratio | "
+        "latency p50 ms vLLM / specserve | latency ratio | TTFT p50 ms vLLM / specserve |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for path in sorted(out.glob("specserve-vs-vllm-*/results.json")):
-        data = json.loads(path.read_text())
+    results = [json.loads(p.read_text()) for p in out.glob("specserve-vs-vllm-*/results.json")]
+    results.sort(
+        key=lambda data: (
+            data["config"]["workload"],
+            not data["config"]["stream"],
+            int(data["config"]["load"].split()[-1]),
+        )
+    )
+    for data in results:
         ours, theirs = (data["servers"][k]["summary"] for k in ("specserve", "vllm"))
         failed = ours["failed"] + theirs["failed"]
+        latency = "tpot_ms" if data["config"]["stream"] else "e2el_ms"
         lines.append(
-            f"| {data['config']['workload']} | {data['config']['load'].split()[-1]} | "
+            f"| {data['config']['workload']} | "
+            f"{'streamed' if data['config']['stream'] else 'whole'} | "
+            f"{data['config']['load'].split()[-1]} | "
             f"{_fmt(theirs['output_throughput'])} | {_fmt(ours['output_throughput'])} | "
-            f"{_fmt(data['speedup'])} | "
-            f"{_fmt(theirs['ttft_ms']['p50'], 0)} / {_fmt(ours['ttft_ms']['p50'], 0)} | "
-            f"{_fmt(theirs['tpot_ms']['p50'], 0)} / {_fmt(ours['tpot_ms']['p50'], 0)} | "
-            f"{_fmt(theirs['itl_ms']['p50'], 0)} / {_fmt(ours['itl_ms']['p50'], 0)} |"
+            f"{paired(data['paired_speedup'])} | "
+            f"{_fmt(theirs[latency]['p50'], 0)} / {_fmt(ours[latency]['p50'], 0)} | "
+            f"{_fmt(ratio(ours[latency]['p50'], theirs[latency]['p50']), 3)} | "
+            f"{_fmt(theirs['ttft_ms']['p50'], 0)} / {_fmt(ours['ttft_ms']['p50'], 0)} |"
             + (f" ({failed} failed)" if failed else "")
         )
     return "\n".join(lines) + "\n"
@@ -144,6 +162,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/results"))
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--num-requests", type=int, default=4, help="per server per level")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per cell")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--workloads", nargs="+", default=list(BUNDLED))
     parser.add_argument(
@@ -178,8 +197,8 @@ def main() -> None:
     with record.open("a") as commands:
         commands.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: {' '.join(sys.argv)}\n")
     common = [
-        "--max-tokens", str(args.max_tokens), "--num-requests", str(args.num_requests),
-        "--rounds", "2", "--warmup", "1", "--seed", "0", "--no-progress",
+        "--max-tokens", str(args.max_tokens), "--rounds", str(args.rounds),
+        "--warmup", "1", "--seed", "0", "--no-progress",
     ]  # fmt: skip
     levels = [str(c) for c in args.concurrency]
     env = dict(os.environ)
@@ -203,7 +222,8 @@ def main() -> None:
                             "sweep", "--a", "http://127.0.0.1:8301", "--a-label", "spec",
                             "--b", "http://127.0.0.1:8302", "--b-label", "no-spec",
                             "--workload", workload, "--concurrency", *levels,
-                            "--max-batch", str(args.max_num_seqs), *common,
+                            "--max-batch", str(args.max_num_seqs),
+                            "--num-requests", str(args.num_requests), *common,
                             "--output-dir", str(args.out / f"spec-vs-nospec-{workload}"),
                         ],
                         record,
@@ -237,17 +257,21 @@ def main() -> None:
             vllm, _ = _start("vllm-server", vllm_command, vllm_env, 8303, logs)
             try:
                 for workload in args.overhead_workloads:
-                    for level in levels:
-                        name = f"specserve-vs-vllm-{workload}-c{level}"
-                        _loadtest(
-                            [
-                                "compare", "--a", "http://127.0.0.1:8302", "--a-label", "specserve",
-                                "--b", "http://127.0.0.1:8303", "--b-label", "vllm",
-                                "--workload", workload, "--concurrency", level, *common,
-                                "--output-dir", str(args.out / name),
-                            ],
-                            record,
-                        )  # fmt: skip
+                    for replies, flags in (("streamed", []), ("whole", ["--no-stream"])):
+                        for level in args.concurrency:
+                            name = f"specserve-vs-vllm-{workload}-{replies}-c{level}"
+                            requests = max(level, 2) * args.rounds
+                            _loadtest(
+                                [
+                                    "compare", "--a", "http://127.0.0.1:8302",
+                                    "--a-label", "specserve",
+                                    "--b", "http://127.0.0.1:8303", "--b-label", "vllm",
+                                    "--workload", workload, "--concurrency", str(level),
+                                    "--num-requests", str(requests), *flags, *common,
+                                    "--output-dir", str(args.out / name),
+                                ],
+                                record,
+                            )  # fmt: skip
             finally:
                 _stop(vllm)
     finally:
