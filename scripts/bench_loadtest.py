@@ -161,7 +161,9 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/results"))
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--num-requests", type=int, default=4, help="per server per level")
+    parser.add_argument(
+        "--num-requests", type=int, default=4, help="per server per level of the speculation sweep"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per cell")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--workloads", nargs="+", default=list(BUNDLED))

@@ -302,11 +302,11 @@ class VllmEngine:
             async for _ in self._llm.generate(prompt, params(cycles), request_id):
                 pass
 
-        # Each batch size twice: on a CPU the first steps of a new shape run slow (1.5-1.7x at
-        # batch 4 on a 2-core AVX2 EPYC; at batch 1 on an AVX-512 one, K = 2 read 0.40 s once
-        # where K = 3 later ran in 0.34-0.37 s, and K = 2 was never tried again), the kernels
-        # warming up, and the cost model keeps each shape's lower sample, so the second cycle's
-        # steady time is what it uses.
+        # Each batch size twice, and the cost model keeps each shape's lower sample: one slow
+        # step must not stand for a K the controller may then never try again. On a CPU the
+        # first steps of a new shape run slow (1.5-1.7x at batch 4 on a 2-core AVX2 EPYC, the
+        # kernels warming up); at batch 1 on an AVX-512 one a single sample put K = 2 at 0.40 s,
+        # K = 3 later ran in 0.34-0.37 s, and K = 2 was never tried again.
         await run(0, lone, cycles=2)
         await asyncio.gather(*(run(index, batched, cycles=2) for index in range(1, 5)))
         assert self._feed is not None

@@ -9,6 +9,7 @@ A forced K sequence ("script", cycled per engine step) drives the switching:
 import json
 from collections import Counter
 from collections.abc import AsyncIterator
+from itertools import takewhile
 from pathlib import Path
 
 import httpx
@@ -165,6 +166,14 @@ async def test_auto_mode_traces_every_step(auto_server: RunningServer, trace_fil
     steps = [json.loads(line) for line in trace_file.read_text().splitlines()]
     # One line per step the engine ran, calibration included, with the K it ran.
     assert Counter(str(step["k"]) for step in steps) == Counter(scheduler["steps_by_k"])
+    # Calibration starts with the lone request: every K held two steps, two cycles over
+    # (tokens enough for two even if every draft is accepted), so each shape has two samples
+    # before four requests run together.
+    lone = list(takewhile(lambda step: step["batch"] == 1, steps))
+    k_max = len(steps[-1]["predicted_seconds_by_k"]) - 1
+    assert sum(step["generated"] for step in lone) >= 2 * (k_max + 1) * (k_max + 2), lone
+    steps_by_k = Counter(step["k"] for step in lone)
+    assert all(steps_by_k[k] >= 4 for k in range(k_max + 1)), steps_by_k
     # A step idled for "prefill" is one of prompts only (after steps of more requests).
     prefill = [s for s in steps if s["reason"] == "prefill"]
     assert all(s["prefill_tokens"] > 0 and s["k"] == 0 for s in prefill), prefill
