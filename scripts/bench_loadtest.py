@@ -13,6 +13,11 @@
    replies, one full batch per server per round (two requests at
    concurrency 1): what our front end costs.
 
+`--model` runs both parts on another target (the speculation sweep needs the
+bundled pair's draft, so pair it with `--skip-speculation`): a tiny model
+makes engine steps short enough that the front ends' per-token costs show, as
+on a GPU.
+
 Every loadtest command is printed and written to <out>/commands.txt; each
 run's results.json, summary.md and plots go to a folder under <out>, and
 <out>/tables.md gathers the headline tables (`--tables-only` rebuilds it).
@@ -173,6 +178,13 @@ def main() -> None:
         default=["coding-chat", "code-completion"],
         help="workloads for specserve vs vLLM's server",
     )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=Path.home() / ".cache/specserve/models/qwen2.5-coder-1.5b-instruct",
+        help="target folder for both servers (the speculation sweep needs the bundled pair)",
+    )
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--kv-cache-gib", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--skip-speculation", action="store_true")
@@ -191,7 +203,7 @@ def main() -> None:
     # bf16 and fixed K=2 up to a batch of 1, as vLLM's server below runs and as these
     # numbers were first measured (the defaults now pick the dtype and K per machine).
     engine = [
-        "--dtype", "bfloat16", "--kv-cache-gib", str(args.kv_cache_gib),
+        "--model", str(args.model), "--dtype", args.dtype, "--kv-cache-gib", str(args.kv_cache_gib),
         "--max-num-seqs", str(args.max_num_seqs),
     ]  # fmt: skip
     # Each server's /metrics on its API port, where loadtest reads them by default.
@@ -233,7 +245,6 @@ def main() -> None:
             finally:
                 _stop(spec)
         if not args.skip_overhead:
-            model = Path.home() / ".cache/specserve/models/qwen2.5-coder-1.5b-instruct"
             # What specserve's engine adapter sets on CPU (configure_cpu_runtime).
             vllm_env = dict(env)
             vllm_env.setdefault(
@@ -246,8 +257,8 @@ def main() -> None:
                 vllm_env["LD_PRELOAD"] = str(iomp)
             vllm_command = [
                 sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                "--host", "127.0.0.1", "--port", "8303", "--model", str(model),
-                "--served-model-name", "qwen2.5-coder-1.5b-instruct", "--dtype", "bfloat16",
+                "--host", "127.0.0.1", "--port", "8303", "--model", str(args.model),
+                "--served-model-name", args.model.name, "--dtype", args.dtype,
                 "--seed", "0", "--max-num-seqs", str(args.max_num_seqs), "--enforce-eager",
             ]  # fmt: skip
             print(

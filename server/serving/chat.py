@@ -31,6 +31,7 @@ from server.protocol.chat import (
 )
 from server.protocol.common import draft_cap
 from server.serving.common import (
+    TextEvent,
     check_model,
     generate_all,
     json_format,
@@ -210,6 +211,7 @@ async def stream(engine: Engine, prepared: PreparedChat) -> AsyncIterator[str]:
     tools = prepared.tools
     calls = {i: ReplyCalls.start(engine, tools) for i in range(prepared.body.n)} if tools else {}
     texts: dict[int, str] = {}
+    text_events: dict[int, TextEvent] = {}
     outputs = generate_all(engine, [prepared.request], observer, prepared.deadline)
     async for _, output in outputs:
         for delta in output.choices:
@@ -227,6 +229,23 @@ async def stream(engine: Engine, prepared: PreparedChat) -> AsyncIterator[str]:
                     rest, more, parsed = reply.close(texts[delta.index])
                     content, fragments = content + rest, fragments + more
                     finish = _finish_reason(finish, parsed)
+            if not fragments and delta.logprobs is None and finish is None:
+                event = text_events.get(delta.index)
+                if event is None:
+                    event = text_events[delta.index] = TextEvent(
+                        ChatCompletionChunk(
+                            id=prepared.id,
+                            created=prepared.created,
+                            model=prepared.model,
+                            choices=[
+                                ChatChunkChoice(
+                                    index=delta.index, delta=ChatDelta(content=TextEvent.MARKER)
+                                )
+                            ],
+                        )
+                    )
+                yield event.render(content)
+                continue
             yield chunk(
                 [
                     ChatChunkChoice(

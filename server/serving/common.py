@@ -8,6 +8,7 @@ stream is under way, errors become an SSE error event followed by [DONE]
 """
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -255,6 +256,27 @@ def sse(payload: BaseModel) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+class TextEvent:
+    """A streamed chunk whose only per-token part is its text, rendered once per request.
+
+    Most chunks of a stream differ only in their text. Building and dumping the
+    pydantic chunk for each token is the largest share of a token's formatting, so
+    the chunk is dumped once with `MARKER` in the text's place, split around it,
+    and each token's text is JSON-encoded into the gap.
+    """
+
+    MARKER = "@@specserve-text@@"
+
+    def __init__(self, payload: BaseModel) -> None:
+        head, marker, tail = sse(payload).partition(json.dumps(self.MARKER))
+        if not marker or self.MARKER in tail:
+            raise ValueError("the payload must hold TextEvent.MARKER exactly once")
+        self._head, self._tail = head, tail
+
+    def render(self, text: str) -> str:
+        return self._head + json.dumps(text, ensure_ascii=False) + self._tail
 
 
 async def sse_stream(

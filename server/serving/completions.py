@@ -20,6 +20,7 @@ from server.protocol.completions import (
     CompletionResponse,
 )
 from server.serving.common import (
+    TextEvent,
     check_model,
     generate_all,
     json_format,
@@ -202,14 +203,30 @@ async def stream(engine: Engine, prepared: PreparedCompletion) -> AsyncIterator[
             )
         )
 
+    text_events: dict[int, TextEvent] = {}
     outputs = generate_all(engine, prepared.requests, observer, prepared.deadline)
     async for position, output in outputs:
         for delta in output.choices:
             fragment = choices.add(position, delta)
             # Tokens may carry no text yet (a partial character, a held-back
             # stop-string prefix) but still carry logprobs.
-            if fragment.text or delta.token_ids or fragment.finish_reason is not None:
+            if not (fragment.text or delta.token_ids or fragment.finish_reason is not None):
+                continue
+            if fragment.logprobs is not None or fragment.finish_reason is not None:
                 yield chunk([fragment])
+                continue
+            event = text_events.get(fragment.index)
+            if event is None:
+                marked = CompletionChoice(index=fragment.index, text=TextEvent.MARKER)
+                event = text_events[fragment.index] = TextEvent(
+                    CompletionResponse(
+                        id=prepared.id,
+                        created=prepared.created,
+                        model=prepared.model,
+                        choices=[marked],
+                    )
+                )
+            yield event.render(fragment.text)
     if prepared.body.include_usage_in_stream():
         yield chunk(
             [],
