@@ -40,6 +40,8 @@ import httpx
 from loadtest.analysis import ratio
 from loadtest.report import paired
 from loadtest.workloads import BUNDLED
+from server.config import DEFAULT_CACHE_DIR
+from server.models.embedded import TARGET, model_dir
 
 
 def _start(
@@ -181,7 +183,7 @@ def main() -> None:
     parser.add_argument(
         "--model",
         type=Path,
-        default=Path.home() / ".cache/specserve/models/qwen2.5-coder-1.5b-instruct",
+        default=model_dir(DEFAULT_CACHE_DIR, TARGET),
         help="target folder for both servers (the speculation sweep needs the bundled pair)",
     )
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")

@@ -31,7 +31,7 @@ from server.protocol.chat import (
 )
 from server.protocol.common import draft_cap
 from server.serving.common import (
-    TextEvent,
+    TextEvents,
     check_model,
     generate_all,
     json_format,
@@ -193,16 +193,21 @@ def _call_deltas(fragments: list[ToolCallFragment]) -> list[ToolCallDelta] | Non
 
 
 async def stream(engine: Engine, prepared: PreparedChat) -> AsyncIterator[str]:
-    def chunk(choices: list[ChatChunkChoice], **extra: object) -> str:
-        return sse(
-            ChatCompletionChunk(
-                id=prepared.id,
-                created=prepared.created,
-                model=prepared.model,
-                choices=choices,
-                **extra,  # type: ignore[arg-type]
-            )
+    def payload(choices: list[ChatChunkChoice], **extra: object) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=prepared.id,
+            created=prepared.created,
+            model=prepared.model,
+            choices=choices,
+            **extra,  # type: ignore[arg-type]
         )
+
+    def chunk(choices: list[ChatChunkChoice], **extra: object) -> str:
+        return sse(payload(choices, **extra))
+
+    text_chunks = TextEvents(
+        lambda index, text: payload([ChatChunkChoice(index=index, delta=ChatDelta(content=text))])
+    )
 
     # OpenAI sends the role alone in each choice's first chunk.
     for index in range(prepared.body.n):
@@ -211,7 +216,6 @@ async def stream(engine: Engine, prepared: PreparedChat) -> AsyncIterator[str]:
     tools = prepared.tools
     calls = {i: ReplyCalls.start(engine, tools) for i in range(prepared.body.n)} if tools else {}
     texts: dict[int, str] = {}
-    text_events: dict[int, TextEvent] = {}
     outputs = generate_all(engine, [prepared.request], observer, prepared.deadline)
     async for _, output in outputs:
         for delta in output.choices:
@@ -230,21 +234,7 @@ async def stream(engine: Engine, prepared: PreparedChat) -> AsyncIterator[str]:
                     content, fragments = content + rest, fragments + more
                     finish = _finish_reason(finish, parsed)
             if not fragments and delta.logprobs is None and finish is None:
-                event = text_events.get(delta.index)
-                if event is None:
-                    event = text_events[delta.index] = TextEvent(
-                        ChatCompletionChunk(
-                            id=prepared.id,
-                            created=prepared.created,
-                            model=prepared.model,
-                            choices=[
-                                ChatChunkChoice(
-                                    index=delta.index, delta=ChatDelta(content=TextEvent.MARKER)
-                                )
-                            ],
-                        )
-                    )
-                yield event.render(content)
+                yield text_chunks.render(delta.index, content)
                 continue
             yield chunk(
                 [

@@ -258,25 +258,32 @@ def sse(payload: BaseModel) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-class TextEvent:
-    """A streamed chunk whose only per-token part is its text, rendered once per request.
+class TextEvents:
+    """A stream's chunks that carry only text, from one template per choice.
 
     Most chunks of a stream differ only in their text. Building and dumping the
     pydantic chunk for each token is the largest share of a token's formatting, so
-    the chunk is dumped once with `MARKER` in the text's place, split around it,
-    and each token's text is JSON-encoded into the gap.
+    each choice's chunk is dumped once, by `payload` (the function that builds the
+    stream's other chunks), with `MARKER` as its text, split around it, and each
+    token's text is JSON-encoded into the gap.
     """
 
     MARKER = "@@specserve-text@@"
 
-    def __init__(self, payload: BaseModel) -> None:
-        head, marker, tail = sse(payload).partition(json.dumps(self.MARKER))
-        if not marker or self.MARKER in tail:
-            raise ValueError("the payload must hold TextEvent.MARKER exactly once")
-        self._head, self._tail = head, tail
+    def __init__(self, payload: Callable[[int, str], BaseModel]) -> None:
+        self._payload = payload  # (choice index, text) -> the chunk
+        self._templates: dict[int, tuple[str, str]] = {}
 
-    def render(self, text: str) -> str:
-        return self._head + json.dumps(text, ensure_ascii=False) + self._tail
+    def render(self, index: int, text: str) -> str:
+        template = self._templates.get(index)
+        if template is None:
+            event = sse(self._payload(index, self.MARKER))
+            head, marker, tail = event.partition(json.dumps(self.MARKER))
+            if not marker or self.MARKER in tail:
+                raise ValueError("the payload must hold TextEvents.MARKER exactly once")
+            template = self._templates[index] = (head, tail)
+        head, tail = template
+        return head + json.dumps(text, ensure_ascii=False) + tail
 
 
 async def sse_stream(

@@ -20,7 +20,7 @@ from server.protocol.completions import (
     CompletionResponse,
 )
 from server.serving.common import (
-    TextEvent,
+    TextEvents,
     check_model,
     generate_all,
     json_format,
@@ -192,18 +192,21 @@ async def stream(engine: Engine, prepared: PreparedCompletion) -> AsyncIterator[
     choices = _Choices(prepared)
     observer = prepared.observer
 
-    def chunk(fragments: list[CompletionChoice], **extra: object) -> str:
-        return sse(
-            CompletionResponse(
-                id=prepared.id,
-                created=prepared.created,
-                model=prepared.model,
-                choices=fragments,
-                **extra,  # type: ignore[arg-type]
-            )
+    def payload(fragments: list[CompletionChoice], **extra: object) -> CompletionResponse:
+        return CompletionResponse(
+            id=prepared.id,
+            created=prepared.created,
+            model=prepared.model,
+            choices=fragments,
+            **extra,  # type: ignore[arg-type]
         )
 
-    text_events: dict[int, TextEvent] = {}
+    def chunk(fragments: list[CompletionChoice], **extra: object) -> str:
+        return sse(payload(fragments, **extra))
+
+    text_chunks = TextEvents(
+        lambda index, text: payload([CompletionChoice(index=index, text=text)])
+    )
     outputs = generate_all(engine, prepared.requests, observer, prepared.deadline)
     async for position, output in outputs:
         for delta in output.choices:
@@ -215,18 +218,7 @@ async def stream(engine: Engine, prepared: PreparedCompletion) -> AsyncIterator[
             if fragment.logprobs is not None or fragment.finish_reason is not None:
                 yield chunk([fragment])
                 continue
-            event = text_events.get(fragment.index)
-            if event is None:
-                marked = CompletionChoice(index=fragment.index, text=TextEvent.MARKER)
-                event = text_events[fragment.index] = TextEvent(
-                    CompletionResponse(
-                        id=prepared.id,
-                        created=prepared.created,
-                        model=prepared.model,
-                        choices=[marked],
-                    )
-                )
-            yield event.render(fragment.text)
+            yield text_chunks.render(fragment.index, fragment.text)
     if prepared.body.include_usage_in_stream():
         yield chunk(
             [],
