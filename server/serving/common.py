@@ -120,25 +120,19 @@ async def generate_all(
     closes every engine stream at once, and each aborts its own request.
     """
     completed = False
+    waits = _EngineWaits(deadline)
     try:
         async with aclosing(_merged(engine, requests)) as outputs:
             while True:
                 try:
-                    # Only the wait for the engine is bounded, never our own
-                    # sending: a slow client is the disconnect handling's job.
-                    async with asyncio.timeout(_seconds_left(deadline)):
-                        position, output = await anext(outputs)
+                    position, output = await waits.next(outputs)
                 except StopAsyncIteration:
                     break
-                except TimeoutError:
-                    raise RequestTimeoutError(
-                        "The request exceeded the server's request timeout and was stopped; "
-                        "ask for fewer tokens or retry"
-                    ) from None
                 observer.on_output(position, output)
                 yield position, output
         completed = True
     finally:
+        waits.close()
         observer.finish(completed)
         logger.info(
             "%s %s: %d prompt and %d output tokens",
@@ -149,8 +143,61 @@ async def generate_all(
         )
 
 
-def _seconds_left(deadline: float | None) -> float | None:
-    return None if deadline is None else deadline - time.perf_counter()
+class _EngineWaits:
+    """A request's waits for the engine, bounded by its deadline.
+
+    Only the wait for the engine is bounded, never our own sending (a slow client
+    is the disconnect handling's job): a deadline that passes while we send stops
+    the request at its next wait. One timer per request, which cancels the
+    waiting task only while it waits, rather than `asyncio.timeout` around each
+    wait: entering and leaving one per output was ~9% of the busy event loop's
+    samples at 64 streamed requests on a tiny model.
+    """
+
+    def __init__(self, deadline: float | None) -> None:
+        self._expired = False
+        self._cancelled = False  # the timer cancelled a waiting task
+        self._waiting: asyncio.Task[object] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        if deadline is not None:
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(deadline - time.perf_counter(), self._expire)
+
+    def _expire(self) -> None:
+        self._expired = True
+        if self._waiting is not None:
+            self._cancelled = True
+            self._waiting.cancel()
+
+    async def next(
+        self, outputs: AsyncIterator[tuple[int, EngineOutput]]
+    ) -> tuple[int, EngineOutput]:
+        if self._expired:
+            raise _timed_out()
+        task = asyncio.current_task()
+        assert task is not None  # awaited, so inside a task
+        self._waiting = task
+        try:
+            return await anext(outputs)
+        except asyncio.CancelledError:
+            # Ours becomes the timeout; any other cancellation (client gone,
+            # shutdown) goes on, as with asyncio.timeout.
+            if self._cancelled and task.uncancel() == 0:
+                raise _timed_out() from None
+            raise
+        finally:
+            self._waiting = None
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+def _timed_out() -> RequestTimeoutError:
+    return RequestTimeoutError(
+        "The request exceeded the server's request timeout and was stopped; "
+        "ask for fewer tokens or retry"
+    )
 
 
 async def _merged(
