@@ -118,6 +118,7 @@ async def generate_all(
     Every output passes through `observer` first, which is finished however
     the request ends. Leaving early (client gone, error, `deadline` passed)
     closes every engine stream at once, and each aborts its own request.
+    Iterate it from one task: the deadline cancels that task's wait.
     """
     completed = False
     waits = _EngineWaits(deadline)
@@ -155,9 +156,14 @@ class _EngineWaits:
     """
 
     def __init__(self, deadline: float | None) -> None:
+        # The task that iterates the request's outputs, looked up once: asyncio's
+        # current_task is Python code in 3.11 (~0.6 µs a call).
+        task = asyncio.current_task()
+        assert task is not None  # made while generate_all runs, so inside a task
+        self._task = task
         self._expired = False
-        self._cancelled = False  # the timer cancelled a waiting task
-        self._waiting: asyncio.Task[object] | None = None
+        self._waiting = False
+        self._cancelled = False  # the timer cancelled the waiting task
         self._timer: asyncio.TimerHandle | None = None
         if deadline is not None:
             loop = asyncio.get_running_loop()
@@ -165,28 +171,26 @@ class _EngineWaits:
 
     def _expire(self) -> None:
         self._expired = True
-        if self._waiting is not None:
+        if self._waiting:
             self._cancelled = True
-            self._waiting.cancel()
+            self._task.cancel()
 
     async def next(
         self, outputs: AsyncIterator[tuple[int, EngineOutput]]
     ) -> tuple[int, EngineOutput]:
         if self._expired:
             raise _timed_out()
-        task = asyncio.current_task()
-        assert task is not None  # awaited, so inside a task
-        self._waiting = task
+        self._waiting = True
         try:
             return await anext(outputs)
         except asyncio.CancelledError:
             # Ours becomes the timeout; any other cancellation (client gone,
             # shutdown) goes on, as with asyncio.timeout.
-            if self._cancelled and task.uncancel() == 0:
+            if self._cancelled and self._task.uncancel() == 0:
                 raise _timed_out() from None
             raise
         finally:
-            self._waiting = None
+            self._waiting = False
 
     def close(self) -> None:
         if self._timer is not None:
