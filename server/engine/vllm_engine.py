@@ -349,11 +349,8 @@ class VllmEngine:
 
     async def stop(self) -> None:
         if self._llm is not None:
-            from vllm import envs as vllm_envs
-
             self._llm.shutdown()
             self._llm = None
-            vllm_envs.disable_envs_cache()
         if self._feed is not None:
             self._feed.close()
             self._feed = None

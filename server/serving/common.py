@@ -112,7 +112,7 @@ async def generate_all(
     requests: list[GenerationRequest],
     observer: RequestObserver,
     deadline: float | None,
-) -> AsyncIterator[tuple[int, EngineOutput]]:
+) -> AsyncGenerator[tuple[int, EngineOutput], None]:
     """Run the engine requests of one API request; yield (request position, output).
 
     Every output passes through `observer` first, which is finished however

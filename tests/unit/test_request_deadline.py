@@ -36,8 +36,8 @@ class _SilentEngine(ScriptedEngine):
             self.closed_count += 1
 
 
-def _request(max_tokens: int = 7) -> list[GenerationRequest]:
-    return [GenerationRequest("req-1", [1, 2], SamplingOptions(max_tokens=max_tokens))]
+def _request() -> list[GenerationRequest]:
+    return [GenerationRequest("req-1", [1, 2], SamplingOptions(max_tokens=7))]
 
 
 def _observer() -> RequestObserver:
