@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from server.autopilot.feed import AutopilotFeed
+from server.engine import seeded_sampling
 from server.engine.base import (
     ChoiceDelta,
     EngineInfo,
@@ -176,6 +177,9 @@ class VllmEngine:
             kv_note = f"; KV cache {os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB"
         logger.info("dtype %s: %s%s", choice.dtype, choice.reason, kv_note)
         autopilot = self._prepare_autopilot()
+        # Every engine, speculating or not: a seeded request's text is then the same
+        # whatever K its steps run at, and the same as without speculation.
+        os.environ[seeded_sampling.ENABLED_ENV] = "1"
         # vLLM reads its settings from the environment on every access, unless cached
         # (below); an engine started before in this process may have cached them, and
         # this one's processes must see the environment as it is now.
