@@ -237,6 +237,7 @@ def serve(port: int, max_concurrent_requests: int) -> int:
     from server.cli import serve_engine
     from server.config import Settings
     from server.logs import configure_logging
+    from server.runner import bind_listeners
 
     settings = Settings.model_validate(
         {
@@ -248,7 +249,8 @@ def serve(port: int, max_concurrent_requests: int) -> int:
         }
     )
     configure_logging(settings.log_format)
-    return serve_engine(settings, SyntheticEngine(), None)
+    listeners = bind_listeners(settings.host, settings.port, None)
+    return serve_engine(settings, SyntheticEngine(), None, listeners)
 
 
 async def _wait_ready(client: httpx.AsyncClient, child: subprocess.Popen[bytes]) -> None:

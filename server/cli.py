@@ -17,6 +17,8 @@ from server.logs import configure_logging, configure_root_logging, route_output_
 from server.models.embedded import ModelPullError
 
 if TYPE_CHECKING:
+    import socket
+
     from server.auth import ApiKeys
     from server.engine.base import Engine
 
@@ -93,8 +95,11 @@ def _serve(settings: Settings) -> int:
     from server.engine.ray_cluster import wait_for_ray_nodes
     from server.engine.resolve import resolve
     from server.engine.vllm_engine import VllmEngine
+    from server.runner import bind_listeners
 
-    # Open access and a bad key file fail before minutes of model pulling and loading.
+    # A taken port, open access and a bad key file fail before minutes of model pulling
+    # and loading.
+    listeners = bind_listeners(settings.host, settings.port, _metrics_port(settings))
     keys = _api_keys(settings)
     engine_config = resolve(settings)
     if settings.ray_nodes is not None:
@@ -107,7 +112,12 @@ def _serve(settings: Settings) -> int:
         engine_config.speculation_mode,
         engine_config.num_speculative_tokens,
     )
-    return serve_engine(settings, VllmEngine(engine_config), keys)
+    return serve_engine(settings, VllmEngine(engine_config), keys, listeners)
+
+
+def _metrics_port(settings: Settings) -> int | None:
+    """The metrics port, or None where it is the API's own."""
+    return None if settings.metrics_port == settings.port else settings.metrics_port
 
 
 def _api_keys(settings: Settings) -> "ApiKeys | None":
@@ -129,10 +139,16 @@ def _api_keys(settings: Settings) -> "ApiKeys | None":
     return keys
 
 
-def serve_engine(settings: Settings, engine: "Engine", keys: "ApiKeys | None") -> int:
-    """Serve `engine` the way `specserve serve` does (admission, lifecycle, drain, the
-    settings' limits) until drained or the engine dies; return the exit status. The
-    front-end benchmark (loadtest/frontend.py) serves an engine with no model through it."""
+def serve_engine(
+    settings: Settings,
+    engine: "Engine",
+    keys: "ApiKeys | None",
+    listeners: "list[socket.socket]",
+) -> int:
+    """Serve `engine` on `listeners` (`bind_listeners` for the settings' ports) the way
+    `specserve serve` does (admission, lifecycle, drain, the settings' limits) until drained
+    or the engine dies; return the exit status. The front-end benchmark
+    (loadtest/frontend.py) serves an engine with no model through it."""
     from server.admission import AdmissionController
     from server.app import create_app
     from server.lifecycle import Lifecycle
@@ -144,7 +160,7 @@ def serve_engine(settings: Settings, engine: "Engine", keys: "ApiKeys | None") -
         settings.queue_timeout_seconds,
     )
     lifecycle = Lifecycle()
-    metrics_port = None if settings.metrics_port == settings.port else settings.metrics_port
+    metrics_port = _metrics_port(settings)
     app = create_app(
         engine,
         baseline_tpot_seconds=settings.baseline_tpot_seconds,
@@ -161,11 +177,11 @@ def serve_engine(settings: Settings, engine: "Engine", keys: "ApiKeys | None") -
         request_timeout_seconds=settings.request_timeout_seconds,
         lifecycle=lifecycle,
     )
+    if metrics_port is not None:
+        logger.info("metrics on http://%s:%d/metrics", settings.host, metrics_port)
     return run(
         app,
-        host=settings.host,
-        port=settings.port,
-        metrics_port=metrics_port,
+        listeners=listeners,
         lifecycle=lifecycle,
         admission=admission,
         drain_timeout_seconds=settings.drain_timeout_seconds,

@@ -21,6 +21,7 @@ from fastapi import FastAPI
 
 from server.admission import AdmissionController
 from server.auth import ApiKeys
+from server.config import ConfigError
 from server.lifecycle import Lifecycle
 
 logger = logging.getLogger(__name__)
@@ -84,12 +85,34 @@ class _DrainingServer(uvicorn.Server):
         task.add_done_callback(self._tasks.discard)
 
 
+def bind_listeners(host: str, port: int, metrics_port: int | None) -> list[socket.socket]:
+    """The API socket and, with a `metrics_port`, the metrics one, bound before anything
+    loads: a port already taken stops the server at once, naming the flag that set it."""
+    listeners: list[socket.socket] = []
+    for flag, number in (("--port", port), ("--metrics-port", metrics_port)):
+        if number is None:
+            continue
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((host, number))
+        except OSError as exc:
+            listener.close()
+            for bound in listeners:
+                bound.close()
+            raise ConfigError(
+                f"cannot listen on {host}:{number} ({flag} {number}): {exc.strerror}; "
+                f"give another {flag}"
+            ) from None
+        listeners.append(listener)
+    return listeners
+
+
 def run(
     app: FastAPI,
     *,
-    host: str,
-    port: int,
-    metrics_port: int | None,
+    listeners: list[socket.socket],
     lifecycle: Lifecycle,
     admission: AdmissionController,
     drain_timeout_seconds: float,
@@ -97,15 +120,13 @@ def run(
     keep_alive_timeout_seconds: int,
     api_keys: ApiKeys | None = None,
 ) -> int:
-    """Serve until drained or the engine dies; return the exit status. With a
-    `metrics_port`, one server listens on both ports (the app tells them apart);
-    `api_keys` reload from their file on SIGHUP and when it changes."""
+    """Serve on `listeners` (from `bind_listeners`) until drained or the engine dies; return
+    the exit status. One server listens on the API and metrics sockets (the app tells them
+    apart); `api_keys` reload from their file on SIGHUP and when it changes."""
     # log_config=None: uvicorn's loggers (access log included) go through the
     # root handler, so every line carries the request id.
     config = uvicorn.Config(
         app,
-        host=host,
-        port=port,
         log_level="info",
         log_config=None,
         timeout_graceful_shutdown=_AFTER_DRAIN_SECONDS,
@@ -113,10 +134,5 @@ def run(
         timeout_keep_alive=keep_alive_timeout_seconds,
     )
     server = _DrainingServer(config, lifecycle, admission, drain_timeout_seconds, api_keys)
-    sockets = None
-    if metrics_port is not None:
-        metrics = uvicorn.Config(app, host=host, port=metrics_port, log_config=None)
-        sockets = [config.bind_socket(), metrics.bind_socket()]
-        logger.info("metrics on http://%s:%d/metrics", host, metrics_port)
-    server.run(sockets)
+    server.run(listeners)
     return lifecycle.exit_status

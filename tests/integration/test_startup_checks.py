@@ -3,12 +3,15 @@
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
+import httpx
 import pytest
 
 from server.config import ConfigError
 from server.engine.compat import check_draft_compatible, check_max_model_len
-from tests.integration.conftest import TinyModels
+from tests.integration.conftest import TinyModels, serving
+from tests.net import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -62,3 +65,24 @@ def test_bad_model_pair_exits_2_before_loading(tiny: TinyModels, tmp_path: Path)
     result = _serve("--model", str(tiny.target), "--no-speculation", "--max-model-len", "99999")
     assert result.returncode == 2
     assert "99999" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_taken_port_exits_2_naming_its_flag(tiny: TinyModels, tmp_path: Path) -> None:
+    """A second server on a running one's API or metrics port stops before loading anything,
+    with one line naming the flag, and the first keeps serving."""
+    with serving(tiny, tmp_path) as first:
+        api_port = urlsplit(first.base_url).port
+        metrics_port = urlsplit(first.metrics_url).port
+        assert api_port is not None and metrics_port is not None
+        model = ["--model", str(tiny.target), "--no-speculation"]
+        for flag, flags in (
+            ("--metrics-port", ["--port", str(free_port()), "--metrics-port", str(metrics_port)]),
+            ("--port", ["--port", str(api_port), "--metrics-port", str(free_port())]),
+        ):
+            result = _serve(*model, *flags)
+            assert result.returncode == 2, result.stderr
+            taken = api_port if flag == "--port" else metrics_port
+            assert f"({flag} {taken}): Address already in use" in result.stderr
+            assert "Traceback" not in result.stderr
+            assert "loading" not in result.stderr.lower()
+        assert httpx.get(f"{first.base_url}/ready").status_code == 200
