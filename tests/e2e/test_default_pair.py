@@ -7,6 +7,7 @@ different K for two identical requests, so only float32 makes streaming and
 non-streaming replies comparable token for token on every CPU.
 """
 
+import asyncio
 import json
 import os
 import signal
@@ -94,6 +95,32 @@ def test_chat_writes_python_and_streaming_agrees(client: openai.OpenAI) -> None:
     )
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert streamed == text
+
+
+async def test_a_seeded_request_repeats_alone_and_beside_others(base_url: str) -> None:
+    """The autopilot picks K from measured step times and the batch; a seeded reply must not
+    follow it (seeded_sampling.py)."""
+    client = openai.AsyncOpenAI(
+        base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600
+    )
+    seeded = {
+        "model": "qwen2.5-coder-1.5b-instruct",
+        "messages": MESSAGES,
+        "max_tokens": 32,
+        "temperature": 1.0,
+        "seed": 1234,
+    }
+    others = [
+        {**seeded, "seed": None, "messages": [{"role": "user", "content": prompt}]}
+        for prompt in ("Write a haiku about rain.", "Explain TCP briefly.", "Sort a list in C.")
+    ]
+    alone = await client.chat.completions.create(**seeded)
+    beside, *_ = await asyncio.gather(
+        client.chat.completions.create(**seeded),
+        *(client.chat.completions.create(**other) for other in others),
+    )
+    assert beside.choices[0].message.content == alone.choices[0].message.content
+    await client.close()
 
 
 def test_metrics_show_the_speculation(base_url: str, client: openai.OpenAI) -> None:
