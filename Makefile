@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 ENGINE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 INSTALLED := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: install models tools serve test lint bench bench-loadtest bench-autopilot image-test
+.PHONY: install models tools serve test lint check-vllm bench bench-loadtest bench-autopilot image-test
 
 install: $(INSTALLED)
 
@@ -64,7 +64,11 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: models tools lint
+# specserve's vLLM patches against both pinned vLLM builds (docs/development.md).
+check-vllm: install
+	$(BIN)/python -m server.engine.check_vllm
+
+test: models tools lint check-vllm
 	$(BIN)/pytest
 
 bench: models

@@ -187,6 +187,12 @@ DRAFT_CAUGHT_UP_TOKENS = Counter(
     "Tokens the draft prefilled when speculation resumed after K=0 steps",
     ["model"],
 )  # fmt: skip
+VLLM_PATCH_FAILURES = Counter(
+    "specserve_vllm_patch_failures_total",
+    "Engine processes where a specserve patch of vLLM raised and was handed back to vLLM's "
+    "own code for the rest of the run (server/engine/vllm_patches.py)",
+    ["model", "patch"],
+)
 
 
 def track_engine_requests(unfinished_requests: Callable[[], int]) -> None:

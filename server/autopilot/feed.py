@@ -2,8 +2,9 @@
 
 Binds the Unix datagram socket that `server.engine.autopilot_report` sends to,
 keeps the latest cumulative report of each source (the scheduler, the draft
-worker), and turns them into the autopilot's Prometheus series. Serving code
-asks it which K=0 reasons applied while a request ran. No vLLM import.
+worker, each engine process's failed vLLM patches), and turns them into the
+autopilot's Prometheus series. Serving code asks it which K=0 reasons applied
+while a request ran. No vLLM import.
 """
 
 import asyncio
@@ -86,6 +87,11 @@ class AutopilotFeed:
             for reason, steps in report["zero_steps_by_reason"].items():
                 child = metrics.SPECULATION_IDLE_STEPS.labels(model, reason)
                 self._count(child, ("reason", reason), steps)
+        elif report.get("source", "").startswith("patch_failures:"):
+            # One report source per engine process; each patch fails at most once in one.
+            for patch in report["failed"]:
+                child = metrics.VLLM_PATCH_FAILURES.labels(model, patch)
+                self._count(child, (report["source"], patch), 1)
         elif report.get("source") == "draft":
             passes = report["draft_forward_passes"]
             self._count(metrics.DRAFT_FORWARD_PASSES.labels(model), ("passes", ""), passes)

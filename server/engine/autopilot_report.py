@@ -3,18 +3,18 @@
 The scheduler (EngineCore process) and the draft proposer (worker process)
 run outside the front end, which owns /metrics. Each sends its cumulative
 totals as one JSON datagram over a Unix socket whose path the engine puts in
-`SOCKET_ENV` before vLLM spawns them. Sending never blocks an engine step:
-when the front end is behind, the report stays pending and the next one
-carries the newer totals (they are cumulative, so nothing is lost).
+its settings for vLLM's processes (`vllm_patches.settings()["report_socket"]`).
+Sending never blocks an engine step: when the front end is behind, the report
+stays pending and the next one carries the newer totals (they are cumulative,
+so nothing is lost).
 The front end's receiving side is `server.autopilot.feed`.
 """
 
 import json
-import os
 import socket
 from typing import Any
 
-SOCKET_ENV = "SPECSERVE_AUTOPILOT_SOCKET"
+from server.engine import vllm_patches
 
 
 class Reporter:
@@ -22,7 +22,7 @@ class Reporter:
 
     def __init__(self, source: str) -> None:
         self._source = source
-        self._path = os.environ.get(SOCKET_ENV, "")
+        self._path = vllm_patches.settings().get("report_socket") or ""
         self._socket: socket.socket | None = None
         if self._path:
             self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

@@ -11,20 +11,20 @@ measured: the step's duration and shape (cost model) and each request's
 accepted draft prefix (acceptance). Totals go to the front end
 through `autopilot_report`.
 
-Modes come from the environment the engine sets before vLLM spawns this
-process (`MODE_ENV`): "auto" (the controller), "fixed" (K up to a batch-size
-cut-off, as vLLM's static table) and "script" (a forced K sequence, for the
-losslessness tests). In every mode a step holding a request with `logit_bias`
-runs at K=0 (`logit_bias.py` says why), and a request's own
-`max_draft_tokens` (vLLM's extra_args, `MAX_DRAFT_TOKENS_ARG`) caps its drafts:
-a step whose requests all ask for none idles the draft. The policy itself is
-pure and imports no vLLM.
+The mode comes from the engine's settings (`vllm_patches.settings()`): "auto"
+(the controller), "fixed" (K up to a batch-size cut-off, as vLLM's static
+table) and "script" (a forced K sequence, for the losslessness tests). In
+every mode a step holding a request with `logit_bias` runs at K=0
+(`logit_bias.py` says why), and a request's own `max_draft_tokens` (vLLM's
+extra_args, `MAX_DRAFT_TOKENS_ARG`) caps its drafts: a step whose requests all
+ask for none idles the draft. The policy itself is
+pure and imports no vLLM. An exception in this glue turns speculation off for
+the rest of the run (`vllm_patches.contained`) instead of killing the engine.
 """
 
 import itertools
 import json
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -42,20 +42,19 @@ from server.autopilot.policy import (
     StepRecord,
     expected_tokens_per_step,
 )
-from server.engine import draft_sync
+from server.engine import vllm_patches
 from server.engine.autopilot_report import Reporter
 
 logger = logging.getLogger(__name__)
 
-MODE_ENV = "SPECSERVE_SPECULATION_MODE"
-MAX_BATCH_ENV = "SPECSERVE_SPECULATION_MAX_BATCH_SIZE"
+
+def _contained(fallback: Any) -> Any:
+    return vllm_patches.contained("autopilot", fallback)
+
+
 # Requests the engine sends at startup to calibrate the cost model.
 CALIBRATION_PREFIX = "specserve-calibrate-"
 MAX_DRAFT_TOKENS_ARG = "specserve_max_draft_tokens"  # a request's cap, in extra_args
-SCRIPT_ENV = "SPECSERVE_SPECULATION_SCRIPT"  # "0x4,3x4,1": K for so many steps, cycled
-# One JSON line per step appended here. Not the setting's own variable: the engine sets this
-# in its process, and processes started from there would read it as the setting.
-TRACE_ENV = "SPECSERVE_SPECULATION_TRACE_FILE"
 
 
 def parse_script(text: str) -> list[int]:
@@ -78,30 +77,16 @@ def _draft_cap(request: Any) -> int | None:
     return extra.get(MAX_DRAFT_TOKENS_ARG) if extra else None
 
 
-def missing_hooks() -> str | None:
-    """What this vLLM lacks that the autopilot needs, or None: the engine then
-    falls back to vLLM's own fixed-K schedule instead of failing."""
-    import dataclasses
-
-    from vllm.v1.core.sched.output import SchedulerOutput
-
-    fields = {f.name for f in dataclasses.fields(SchedulerOutput)}
-    if "num_spec_tokens_to_schedule" not in fields:
-        return "SchedulerOutput.num_spec_tokens_to_schedule"
-    for name in ("schedule", "update_from_output", "update_draft_token_ids"):
-        if not hasattr(Scheduler, name):
-            return f"Scheduler.{name}"
-    return draft_sync.missing_hooks()
-
-
 class AutopilotScheduler(Scheduler):
     """vLLM's scheduler; only the per-step K and per-request draft caps differ."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._mode = os.environ.get(MODE_ENV, "auto")
-        self._max_batch = int(os.environ.get(MAX_BATCH_ENV, "0")) or None
-        script = parse_script(os.environ.get(SCRIPT_ENV) or "0")
+        settings = vllm_patches.settings().get("autopilot", {})
+        self._mode = settings.get("mode", "auto")
+        self._max_batch = settings.get("max_batch_size")
+        # "0x4,3x4,1": K for so many steps, cycled
+        script = parse_script(settings.get("script") or "0")
         if max(script) > self.num_spec_tokens:
             raise ValueError(f"speculation script goes past K={self.num_spec_tokens}")
         self._script: Iterator[int] = itertools.cycle(script)
@@ -123,7 +108,9 @@ class AutopilotScheduler(Scheduler):
         self._verified_k = 0  # the K the step being run verifies (its predecessor's)
         self._verified_probe = False  # and whether that K was a probe's (or calibration's)
         self._reporter = Reporter("scheduler")
-        trace = os.environ.get(TRACE_ENV)
+        # Without the draft_idle patch the draft runs every step: nothing to catch up on.
+        self._draft_idles = vllm_patches.enabled("draft_idle")
+        trace = settings.get("trace")  # one JSON line per step appended there
         # Line-buffered: a line per step reaches the file as the step ends.
         # Open for the engine core's life: it ends with the process.
         self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115
@@ -131,9 +118,21 @@ class AutopilotScheduler(Scheduler):
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         output = super().schedule(*args, **kwargs)
+        self._steer(output)
+        return output
+
+    def _speculation_off(self, output: Any) -> None:
+        """The safe mode once the autopilot failed: no drafts for the rest of the run (a
+        fixed K could hand drafts to a request with logit_bias)."""
+        output.num_spec_tokens_to_schedule = 0
+        self._decision = None
+
+    @_contained(_speculation_off)
+    def _steer(self, output: Any) -> None:
+        """This step's K and per-request caps, into vLLM's scheduler output."""
         request_ids = list(output.num_scheduled_tokens)
         if not request_ids:
-            return output
+            return
         behind = self._draft_behind(output)
         caps = self._request_caps(request_ids)
         decision = self._with_request_caps(
@@ -146,7 +145,6 @@ class AutopilotScheduler(Scheduler):
         if decision.k == 0 and decision.reason is not None:
             self._zero_steps_by_reason[decision.reason] += 1
         self._scheduled_at = time.perf_counter()
-        return output
 
     def _request_caps(self, request_ids: list[str]) -> dict[str, int]:
         """The requests that set their own cap on drafts, and the cap."""
@@ -157,7 +155,9 @@ class AutopilotScheduler(Scheduler):
         beyond a decode step's own (its new token and the drafts it verifies): what it missed
         while idle, and a prompt chunk scheduled now. vLLM has already advanced
         num_computed_tokens past this step's tokens."""
-        behind = {}
+        behind: dict[str, int] = {}
+        if not self._draft_idles:
+            return dict.fromkeys(output.num_scheduled_tokens, 0)
         for request_id, scheduled in output.num_scheduled_tokens.items():
             drafts = len(output.scheduled_spec_decode_tokens.get(request_id, ()))
             computed = self.requests[request_id].num_computed_tokens
@@ -239,6 +239,16 @@ class AutopilotScheduler(Scheduler):
         decision = self._decision
         step = self._observe(scheduler_output, model_runner_output, duration, decision)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        self._after_step(scheduler_output, decision, step)
+        return outputs
+
+    def _no_step(self, *args: Any) -> None:
+        return None
+
+    @_contained(_no_step)
+    def _after_step(
+        self, scheduler_output: Any, decision: Decision | None, step: StepRecord | None
+    ) -> None:
         if decision is not None and decision.k:
             self._draft_saw(scheduler_output.num_scheduled_tokens)
         # Finished and aborted requests leave vLLM's table; every request with acceptance
@@ -248,8 +258,8 @@ class AutopilotScheduler(Scheduler):
             del self._draft_seen[request_id]
         if step is not None:
             self._report(decision)
-        return outputs
 
+    @_contained(_no_step)
     def _observe(
         self,
         scheduler_output: Any,
@@ -333,6 +343,11 @@ class AutopilotScheduler(Scheduler):
 
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:
         super().update_draft_token_ids(draft_token_ids)
+        self._cap_drafts(draft_token_ids)
+
+    @_contained(_no_step)
+    def _cap_drafts(self, draft_token_ids: Any) -> None:
+        """Each request's drafts cut to its cap."""
         caps = self._decision.per_request_k if self._decision is not None else {}
         for request_id in draft_token_ids.req_ids:
             cap = caps.get(request_id)

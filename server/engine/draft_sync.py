@@ -14,21 +14,20 @@ with speculation off still pays for the draft. Here, in the worker process:
 The target verifies every draft token, so a stale draft could only lower
 acceptance, never change the output. Forward passes and caught-up tokens are
 counted and reported to the front end. `install()` patches vLLM's classes once
-per process, when `ENABLED_ENV` is set by specserve's engine; on a vLLM whose
-hooks moved it logs one line and leaves vLLM's behaviour in place.
+per process where the engine enabled the patch (`vllm_patches`, which checked its
+hooks); an exception in the catch-up hands the draft back to vLLM's own code
+(it then runs at K=0 again) for the rest of the process.
 """
 
 import inspect
 import logging
-import os
 from dataclasses import replace
 from typing import Any
 
+from server.engine import vllm_patches
 from server.engine.autopilot_report import Reporter
 
 logger = logging.getLogger(__name__)
-
-ENABLED_ENV = "SPECSERVE_DRAFT_IDLE_AT_ZERO"
 
 
 class DraftSync:
@@ -53,43 +52,15 @@ class DraftSync:
         )
 
 
-def missing_hooks() -> str | None:
-    """What this vLLM lacks for the draft to idle, or None."""
-    try:
-        from vllm.v1.spec_decode.draft_model import DraftModelProposer
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except ImportError as exc:
-        return str(exc)
-    if not hasattr(GPUModelRunner, "propose_draft_token_ids"):
-        return "GPUModelRunner.propose_draft_token_ids"
-    # Once patched (the plugin loads in this process too), check vLLM's own method.
-    propose = getattr(DraftModelProposer.propose, "specserve_original", DraftModelProposer.propose)
-    parameters = set(inspect.signature(propose).parameters)
-    missing = _PROPOSE_PARAMETERS - parameters
-    return f"DraftModelProposer.propose({', '.join(sorted(missing))})" if missing else None
-
-
-_PROPOSE_PARAMETERS = {
-    "num_speculative_tokens",
-    "target_positions",
-    "common_attn_metadata",
-    "num_rejected_tokens_gpu",
-}
-
-
 def install() -> None:
-    """`vllm.general_plugins` hook: patch the draft-model proposer and the
-    runner method that feeds it the batch, in engine processes specserve started."""
-    if not os.environ.get(ENABLED_ENV):
-        return
-    missing = missing_hooks()
-    if missing is not None:
-        logger.warning("specserve: the draft keeps running at K=0 (vLLM lacks %s)", missing)
+    """`vllm.general_plugins` hook: patch the draft-model proposer and the runner method
+    that feeds it the batch, in engine processes where specserve enabled the patch."""
+    if not vllm_patches.enabled("draft_idle"):
         return
     from vllm.v1.spec_decode.draft_model import DraftModelProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    if getattr(DraftModelProposer, "specserve_patched", False):
+    if vllm_patches.is_replaced(DraftModelProposer.propose):
         return
     original_propose = DraftModelProposer.propose
     original_hook = GPUModelRunner.propose_draft_token_ids
@@ -102,17 +73,23 @@ def install() -> None:
         self.drafter.specserve_live_requests = self.requests
         return original_hook(self, scheduler_output, *args, **kwargs)
 
+    def vllms_own(proposer: Any, values: dict[str, Any]) -> Any:
+        return original_propose(**values)
+
+    guarded = vllm_patches.contained("draft_idle", vllms_own)(_propose)
+
     def propose(self: Any, *args: Any, **kwargs: Any) -> Any:
         arguments = signature.bind(self, *args, **kwargs).arguments
-        return _propose(self, original_propose, arguments)
+        return guarded(self, arguments)
 
-    propose.specserve_original = original_propose  # type: ignore[attr-defined]
+    vllm_patches.mark(propose, original_propose)
+    vllm_patches.mark(propose_draft_token_ids, original_hook)
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids  # type: ignore[method-assign]
     DraftModelProposer.propose = propose  # type: ignore[method-assign]
-    DraftModelProposer.specserve_patched = True  # type: ignore[attr-defined]
 
 
-def _propose(proposer: Any, original: Any, values: dict[str, Any]) -> Any:
+def _propose(proposer: Any, values: dict[str, Any]) -> Any:
+    """The draft's step: nothing at K=0, else the catch-up, then vLLM's own proposal."""
     import torch
 
     sync = _sync_of(proposer)
@@ -136,7 +113,7 @@ def _propose(proposer: Any, original: Any, values: dict[str, Any]) -> Any:
         proposer._last_draft_probs = None
         return torch.empty(cad.num_reqs, 0, dtype=torch.int64, device=positions.device)
     _catch_up(proposer, sync, cad, batch, req_ids, starts)
-    result = original(**values)
+    result = vllm_patches.original_of(type(proposer).propose)(**values)
     sync.forward_passes += num_speculative_tokens
     rejected = values.get("num_rejected_tokens_gpu")
     rejected_list = [0] * cad.num_reqs if rejected is None else rejected.tolist()
@@ -164,6 +141,7 @@ def _catch_up(
 ) -> None:
     """One draft forward pass over the positions each request missed while
     the draft idled, bounded by the proposer's token buffers."""
+    vllm_patches.fault_point("draft_catch_up")
     import numpy as np
     import torch
     from vllm.forward_context import set_forward_context

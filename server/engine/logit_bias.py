@@ -18,58 +18,19 @@ logits processor, LogitBias included. Two narrow patches make that reachable:
 - `allow_in_request_checks()` (front-end process, called by the engine):
   vLLM's spec-decode check runs as before on a copy without `logit_bias`,
   so `min_p` and whatever else vLLM refuses there stays refused;
-- `install()` (`vllm.general_plugins` entry point, worker process, only when
-  `ENABLED_ENV` is set by specserve's engine): `build_logitsprocs` adds the
-  LogitBias processor to what vLLM builds under speculation.
+- `install()` (`vllm.general_plugins` entry point, worker process, where the
+  engine enabled the patch): `build_logitsprocs` adds the LogitBias processor
+  to what vLLM builds under speculation.
 
-Both only where `missing_hooks()` finds what they patch; otherwise vLLM's
-refusal stays in place.
+Both only where `vllm_patches` finds what they patch (and the autopilot's
+scheduler runs); otherwise vLLM's refusal stays in place. Neither is contained:
+a builder that failed would leave a bias accepted and not applied.
 """
 
 import copy
-import inspect
-import logging
-import os
-from importlib.metadata import entry_points
 from typing import Any
 
-logger = logging.getLogger(__name__)
-
-ENABLED_ENV = "SPECSERVE_LOGIT_BIAS_UNDER_SPECULATION"
-# This module's entry point in pyproject.toml; VLLM_PLUGINS may leave it out.
-PLUGIN_NAME = "specserve_logit_bias_under_speculation"
-_BUILD_PARAMETERS = (
-    "vllm_config",
-    "device",
-    "is_pin_memory",
-    "is_pooling_model",
-    "custom_logitsprocs",
-)
-
-
-def missing_hooks() -> str | None:
-    """What this vLLM (or its plugin allowlist) lacks for logit_bias under speculation, or None."""
-    try:
-        from vllm.sampling_params import SamplingParams
-        from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor  # noqa: F401
-        from vllm.v1.worker import gpu_model_runner
-    except ImportError as exc:
-        return str(exc)
-    if not hasattr(SamplingParams, "_validate_spec_decode"):
-        return "SamplingParams._validate_spec_decode"
-    build = getattr(gpu_model_runner, "build_logitsprocs", None)
-    if build is None:
-        return "gpu_model_runner.build_logitsprocs"
-    build = getattr(build, "specserve_original", build)
-    if tuple(inspect.signature(build).parameters) != _BUILD_PARAMETERS:
-        return f"build_logitsprocs({', '.join(_BUILD_PARAMETERS)})"
-    if PLUGIN_NAME not in {e.name for e in entry_points(group="vllm.general_plugins")}:
-        # An install older than this module: the worker would never build the processor.
-        return f"the {PLUGIN_NAME} plugin (reinstall specserve: make install)"
-    allowed = os.environ.get("VLLM_PLUGINS")
-    if allowed is not None and PLUGIN_NAME not in allowed.split(","):
-        return f"the {PLUGIN_NAME} plugin (VLLM_PLUGINS leaves it out)"
-    return None
+from server.engine import vllm_patches
 
 
 def allow_in_request_checks() -> None:
@@ -77,7 +38,7 @@ def allow_in_request_checks() -> None:
     from vllm.sampling_params import SamplingParams
 
     original = SamplingParams._validate_spec_decode
-    if hasattr(original, "specserve_original"):
+    if vllm_patches.is_replaced(original):
         return
 
     def validate_spec_decode(self: Any, speculative_config: Any) -> None:
@@ -85,26 +46,21 @@ def allow_in_request_checks() -> None:
         without_bias.logit_bias = None
         original(without_bias, speculative_config)
 
-    validate_spec_decode.specserve_original = original  # type: ignore[attr-defined]
+    vllm_patches.mark(validate_spec_decode, original)
     SamplingParams._validate_spec_decode = validate_spec_decode  # type: ignore[method-assign]
 
 
 def install() -> None:
     """`vllm.general_plugins` hook: build the LogitBias processor under speculation too,
-    in engine processes specserve started."""
-    if not os.environ.get(ENABLED_ENV):
-        return
-    missing = missing_hooks()
-    if missing is not None:
-        # The engine checked the same before setting ENABLED_ENV; say it if this process differs.
-        logger.warning("specserve: logit_bias processor not built (vLLM lacks %s)", missing)
+    in engine processes where specserve enabled the patch."""
+    if not vllm_patches.enabled("logit_bias"):
         return
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
     from vllm.v1.worker import gpu_model_runner
 
     original = gpu_model_runner.build_logitsprocs
-    if hasattr(original, "specserve_original"):
+    if vllm_patches.is_replaced(original):
         return
 
     def build_logitsprocs(
@@ -122,5 +78,5 @@ def install() -> None:
         bias = LogitBiasLogitsProcessor(vllm_config, device, is_pin_memory)
         return LogitsProcessors([*processors.all, bias])
 
-    build_logitsprocs.specserve_original = original  # type: ignore[attr-defined]
+    vllm_patches.mark(build_logitsprocs, original)
     gpu_model_runner.build_logitsprocs = build_logitsprocs

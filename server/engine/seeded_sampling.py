@@ -25,29 +25,19 @@ accepted with probability p(draft token), as under rejection sampling.
 Unseeded and greedy requests are untouched.
 
 `install()` is a `vllm.general_plugins` entry point, active in engine processes
-specserve started (`ENABLED_ENV`); on a vLLM whose hooks moved it logs one
-line and leaves vLLM's sampling in place.
+where the engine enabled the patch (`vllm_patches`, which checked its hooks);
+an exception in it hands sampling back to vLLM's own code for the rest of the
+process.
 """
 
 import hashlib
 import inspect
-import logging
-import os
 from dataclasses import replace
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from server.engine import vllm_patches
 
-ENABLED_ENV = "SPECSERVE_POSITION_KEYED_SEEDS"
 PLACEHOLDER_TOKEN_ID = -1  # vLLM's rejection sampler's mark for "no token here"
-_REJECTION_PARAMETERS = (
-    "draft_token_ids",
-    "num_draft_tokens",
-    "max_spec_len",
-    "target_logits",
-    "bonus_token_ids",
-    "sampling_metadata",
-)
 
 
 def position_key(seed: int, position: int) -> int:
@@ -75,54 +65,43 @@ class KeyedGenerators(dict[int, Any]):
         return generator
 
 
-def missing_hooks() -> str | None:
-    """What this vLLM lacks for position-keyed seeds, or None."""
-    try:
-        from vllm.v1.sample import rejection_sampler
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except ImportError as exc:
-        return str(exc)
-    sample = getattr(GPUModelRunner, "_sample", None)
-    if sample is None:
-        return "GPUModelRunner._sample"
-    if list(inspect.signature(sample).parameters)[1:] != ["logits", "spec_decode_metadata"]:
-        return "GPUModelRunner._sample(logits, spec_decode_metadata)"
-    original = getattr(rejection_sampler.rejection_sample, "specserve_original", None)
-    parameters = inspect.signature(original or rejection_sampler.rejection_sample).parameters
-    missing = [name for name in _REJECTION_PARAMETERS if name not in parameters]
-    return f"rejection_sample({', '.join(missing)})" if missing else None
-
-
 def install() -> None:
-    """`vllm.general_plugins` hook: key seeded requests' noise by position."""
-    if not os.environ.get(ENABLED_ENV):
-        return
-    missing = missing_hooks()
-    if missing is not None:
-        logger.warning("specserve: seeded sampling follows K (vLLM lacks %s)", missing)
+    """`vllm.general_plugins` hook: key seeded requests' noise by position, in engine
+    processes where specserve enabled the patch."""
+    if not vllm_patches.enabled("seeded_sampling"):
         return
     from vllm.v1.sample import rejection_sampler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    if getattr(GPUModelRunner._sample, "specserve_original", None) is not None:
+    if vllm_patches.is_replaced(GPUModelRunner._sample):
         return
     original_sample = GPUModelRunner._sample
     original_rejection_sample = rejection_sampler.rejection_sample
     signature = inspect.signature(original_rejection_sample)
 
+    @vllm_patches.contained("seeded_sampling", original_sample)
     def _sample(self: Any, logits: Any, spec_decode_metadata: Any) -> Any:
         batch = self.input_batch
         metadata = batch.sampling_metadata
         if logits is None or not metadata.generators:
             return original_sample(self, logits, spec_decode_metadata)
-        batch.sampling_metadata = replace(
-            metadata, generators=_keyed_generators(self, metadata.generators, spec_decode_metadata)
-        )
+        keyed = _keyed_generators(self, metadata.generators, spec_decode_metadata)
+        batch.sampling_metadata = replace(metadata, generators=keyed)
         try:
             return original_sample(self, logits, spec_decode_metadata)
         finally:
             batch.sampling_metadata = metadata
 
+    def vllms_own(*args: Any, **kwargs: Any) -> Any:
+        """vLLM's rejection sampling, with the request's own generators where the step
+        keyed them (whose draws then follow K again)."""
+        values = signature.bind(*args, **kwargs).arguments
+        metadata = values["sampling_metadata"]
+        if isinstance(metadata.generators, KeyedGenerators):
+            values["sampling_metadata"] = replace(metadata, generators=dict(metadata.generators))
+        return original_rejection_sample(**values)
+
+    @vllm_patches.contained("seeded_sampling", vllms_own)
     def rejection_sample(*args: Any, **kwargs: Any) -> Any:
         values = signature.bind(*args, **kwargs).arguments
         metadata = values["sampling_metadata"]
@@ -135,8 +114,8 @@ def install() -> None:
         _write_coupled_rows(output, keyed, values, tokens)
         return output
 
-    _sample.specserve_original = original_sample  # type: ignore[attr-defined]
-    rejection_sample.specserve_original = original_rejection_sample  # type: ignore[attr-defined]
+    vllm_patches.mark(_sample, original_sample)
+    vllm_patches.mark(rejection_sample, original_rejection_sample)
     GPUModelRunner._sample = _sample  # type: ignore[method-assign]
     rejection_sampler.rejection_sample = rejection_sample
 

@@ -7,6 +7,7 @@ outputs onto the engine contract in `engine/base.py`.
 """
 
 import asyncio
+import json
 import logging
 import os
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from server.autopilot.feed import AutopilotFeed
-from server.engine import seeded_sampling
+from server.engine import vllm_patches
 from server.engine.base import (
     ChoiceDelta,
     EngineInfo,
@@ -128,6 +129,16 @@ def cpu_binding(ranks: int) -> str:
     return "|".join(groups)
 
 
+def _installed(distribution: str) -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def has_gpu() -> bool:
     """Whether vLLM runs on a GPU here (CPU builds of torch never see one)."""
     return gpu_count() > 0
@@ -162,6 +173,7 @@ class VllmEngine:
         from vllm import envs as vllm_envs
         from vllm.config import StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         config = self._config
@@ -176,10 +188,8 @@ class VllmEngine:
             configure_cpu_runtime(kv_cache_gib, ranks)
             kv_note = f"; KV cache {os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB"
         logger.info("dtype %s: %s%s", choice.dtype, choice.reason, kv_note)
-        autopilot = self._prepare_autopilot()
-        # Every engine, speculating or not: a seeded request's text is then the same
-        # whatever K its steps run at, and the same as without speculation.
-        os.environ[seeded_sampling.ENABLED_ENV] = "1"
+        patches = self._usable_patches()
+        autopilot = "autopilot" in patches
         # vLLM reads its settings from the environment on every access, unless cached
         # (below); an engine started before in this process may have cached them, and
         # this one's processes must see the environment as it is now.
@@ -211,7 +221,12 @@ class VllmEngine:
             disable_log_stats=False,
             use_tqdm_on_load=config.progress_bars,
         )
-        self._llm = AsyncLLM.from_engine_args(args)
+        vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        patches, runner = vllm_patches.fit_model_runner(vllm_config, patches)
+        if runner is not None:
+            logger.warning("specserve: %s", runner)
+        self._start_patches(patches)
+        self._llm = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=False)
         # vLLM's engine processes cache its settings once up; this one does too now,
         # nothing here changing them after the engine has spawned: the output
         # handler's reads per engine output were ~6% of the event loop's busy time at
@@ -251,41 +266,49 @@ class VllmEngine:
             dtype_reason=choice.reason,
         )
 
-    def _prepare_autopilot(self) -> bool:
-        """Environment for the autopilot's scheduler, draft idling and logit_bias in vLLM's
-        processes (set before they spawn); False where this vLLM lacks the hooks."""
-        config = self._config
-        if config.speculative_method is None:
-            return False
-        from server.engine import autopilot_scheduler, draft_sync, logit_bias
-        from server.engine.autopilot_report import SOCKET_ENV
+    def _usable_patches(self) -> list[str]:
+        """The vLLM patches this engine can apply (vllm_patches.py), one warning per missing
+        piece of the others; the autopilot's feed where its scheduler will run."""
+        from importlib import metadata
 
-        missing = autopilot_scheduler.missing_hooks()
-        if missing is not None:
+        config = self._config
+        distribution = "vllm-cpu" if _installed("vllm-cpu") else "vllm"
+        patches, lines = vllm_patches.usable(
+            vllm_patches.installed_source(), distribution, config.speculative_method is not None
+        )
+        version = metadata.version(distribution)
+        for line in lines:
+            logger.warning("specserve: %s %s", version, line)
+        if "autopilot" in patches:
+            self._feed = AutopilotFeed(config.served_model_name)
+        elif config.speculative_method is not None:
             logger.warning(
-                "speculation autopilot unavailable (this vLLM lacks %s): fixed K=%d",
-                missing,
-                config.num_speculative_tokens,
+                "speculation autopilot unavailable: fixed K=%d", config.num_speculative_tokens
             )
-            return False
-        self._feed = AutopilotFeed(config.served_model_name)
-        mode = "script" if config.speculation_script is not None else config.speculation_mode
-        os.environ[autopilot_scheduler.MODE_ENV] = mode
-        os.environ[autopilot_scheduler.MAX_BATCH_ENV] = str(config.speculation_max_batch_size)
-        os.environ[autopilot_scheduler.SCRIPT_ENV] = config.speculation_script or ""
-        trace = config.speculation_trace
-        os.environ[autopilot_scheduler.TRACE_ENV] = str(trace.resolve()) if trace else ""
-        os.environ[SOCKET_ENV] = self._feed.path
-        os.environ[draft_sync.ENABLED_ENV] = "1"
-        # This scheduler keeps biased requests off drafts, so vLLM's refusal of logit_bias
-        # with speculation is lifted; without these hooks it stays (a 400).
-        missing = logit_bias.missing_hooks()
-        if missing is None:
-            os.environ[logit_bias.ENABLED_ENV] = "1"
+        return patches
+
+    def _start_patches(self, patches: list[str]) -> None:
+        """What vLLM's processes need to know, in the one channel they read (set before they
+        spawn); vLLM's refusal of logit_bias with speculation lifted in this process."""
+        from server.engine import logit_bias
+
+        config = self._config
+        settings: dict[str, Any] = {"patches": patches}
+        if self._feed is not None:
+            trace = config.speculation_trace
+            settings["report_socket"] = self._feed.path
+            settings["autopilot"] = {
+                "mode": "script"
+                if config.speculation_script is not None
+                else config.speculation_mode,
+                "max_batch_size": config.speculation_max_batch_size,
+                "script": config.speculation_script,
+                "trace": str(trace.resolve()) if trace else None,
+            }
+        os.environ[vllm_patches.SETTINGS_ENV] = json.dumps(settings)
+        if "logit_bias" in patches:
+            # The autopilot's scheduler keeps biased requests off drafts.
             logit_bias.allow_in_request_checks()
-        else:
-            logger.warning("logit_bias refused with speculation (this vLLM lacks %s)", missing)
-        return True
 
     async def _calibrate(self) -> None:
         """Drive the autopilot's calibration: a lone request, then four at once,

