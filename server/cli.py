@@ -31,6 +31,7 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--metrics-port", {"type": int}),
     ("--model", {}),
     ("--draft-model", {}),
+    ("--draft-quantization", {"choices": ["none", "int8"]}),
     ("--speculation", {"choices": ["auto", "fixed"]}),
     ("--speculative-method", {"choices": ["draft_model", "ngram"]}),
     ("--num-speculative-tokens", {"type": int}),

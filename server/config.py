@@ -74,6 +74,12 @@ class Settings(BaseSettings):
         description="Draft model folder or hub id. Unset means the embedded "
         "Qwen2.5-Coder-0.5B-Instruct when the target is the embedded one.",
     )
+    draft_quantization: Literal["none", "int8"] = Field(
+        "none",
+        description="int8: run the draft from an int8 copy of its linear layers (compressed-"
+        "tensors W8A8, vLLM's int8 kernels on AMX/VNNI), exported once into the cache "
+        "folder; needs a local draft folder.",
+    )
     speculative_method: Literal["draft_model", "ngram"] = Field(
         "draft_model",
         description="draft_model uses --draft-model; ngram proposes tokens by "

@@ -1,6 +1,7 @@
 """Turn Settings into an EngineConfig: which models, checked before loading.
 
-The embedded pair is pulled if it is not cached yet. Local folders are checked
+The embedded pair is pulled if it is not cached yet, and an int8 copy of the
+draft exported if asked for. Local folders are checked
 for draft/target compatibility, context length and a KV cache size that cannot
 hold one sequence, and the tool call parser is looked up, so a bad combination
 fails with one clear message instead of an engine traceback.
@@ -15,7 +16,7 @@ from server.engine.compat import check_draft_compatible, check_max_model_len, kv
 from server.engine.hardware import choose_dtype
 from server.engine.tool_calls import parser_class
 from server.engine.vllm_engine import EngineConfig, gpu_count, has_gpu
-from server.models import embedded
+from server.models import embedded, int8_export
 
 
 def _is_local(model: str) -> bool:
@@ -93,6 +94,10 @@ def resolve(settings: Settings) -> EngineConfig:
         assert settings.model is not None
         target = settings.model
     target = str(Path(target).expanduser()) if _is_local(target) else target
+    if draft is not None and settings.draft_quantization == "int8":
+        if not _is_local(draft):
+            raise ConfigError("--draft-quantization int8 needs --draft-model to be a local folder")
+        draft = str(int8_export.export(Path(draft).expanduser(), settings.cache_dir))
     if draft is not None and _is_local(draft):
         draft = str(Path(draft).expanduser())
         if _is_local(target):

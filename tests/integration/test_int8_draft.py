@@ -1,0 +1,71 @@
+"""An int8 draft (server/models/int8_export.py) on the real engine: vLLM runs it on its int8
+kernel, the target's greedy output is unchanged, and the quantized copy of the target
+still drafts for it well."""
+
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from server.config import ConfigError, Settings
+from server.engine.base import SamplingOptions
+from server.engine.resolve import resolve
+from server.models import int8_export
+from tests.integration.conftest import RunningServer, TinyModels, serve, tiny_engine_config
+from tests.integration.test_lossless import PROMPTS, _run
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def int8_target(tiny: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return int8_export.export(tiny.target, tmp_path_factory.mktemp("cache"), report=lambda _: None)
+
+
+def test_the_export_is_int8_per_channel_and_reused(int8_target: Path, tiny: TinyModels) -> None:
+    tensors = load_file(int8_target / "model.safetensors")
+    weight = tensors["model.layers.0.mlp.down_proj.weight"]
+    scale = tensors["model.layers.0.mlp.down_proj.weight_scale"]
+    assert str(weight.dtype) == "torch.int8" and scale.shape == (weight.shape[0], 1)
+    original = load_file(tiny.target / "model.safetensors")["model.layers.0.mlp.down_proj.weight"]
+    error = (weight.float() * scale - original).abs().max() / original.abs().max()
+    assert error < 0.01  # half a step of 1/127 at most
+    assert str(tensors["model.embed_tokens.weight"].dtype) == "torch.float32"
+    marker = int8_target / int8_export.COMPLETE_MARKER
+    before = marker.stat().st_mtime_ns
+    assert int8_export.export(tiny.target, int8_target.parent.parent, report=print) == int8_target
+    assert marker.stat().st_mtime_ns == before
+
+
+async def test_an_int8_draft_keeps_greedy_output_and_is_accepted(
+    tiny: TinyModels,
+    int8_target: Path,
+    plain_server: RunningServer,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    config = tiny_engine_config(tiny, int8_target, served_model_name="tiny-int8-draft")
+    greedy = SamplingOptions(max_tokens=32, temperature=0.0)
+    drafted = accepted = 0
+    async for server in serve(config):
+        for i, prompt in enumerate(PROMPTS):
+            (tokens,), stats = await _run(server.engine, f"int8-{i}", prompt, greedy)
+            (reference,), _ = await _run(plain_server.engine, f"int8-plain-{i}", prompt, greedy)
+            assert tokens == reference, prompt
+            drafted += sum(s.draft_tokens for s in stats)
+            accepted += sum(s.accepted_tokens for s in stats)
+    captured = capfd.readouterr()
+    assert "CPUInt8ScaledMMLinearKernel" in captured.out + captured.err
+    assert drafted > 0 and accepted / drafted > 0.8, (accepted, drafted)
+
+
+def test_the_setting_points_the_engine_at_the_int8_copy(tiny: TinyModels, tmp_path: Path) -> None:
+    settings = Settings(
+        model=str(tiny.target),
+        draft_model=str(tiny.close_draft),
+        draft_quantization="int8",
+        cache_dir=tmp_path,
+    )
+    assert resolve(settings).draft_model == str(int8_export.int8_dir(tiny.close_draft, tmp_path))
+    remote = settings.model_copy(update={"draft_model": "Qwen/Qwen2.5-Coder-0.5B-Instruct"})
+    with pytest.raises(ConfigError, match="needs --draft-model to be a local folder"):
+        resolve(remote)
