@@ -7,6 +7,7 @@ Four `specserve serve` configurations on the default pair:
 - fixed-2: `--speculation fixed --num-speculative-tokens 2
            --speculation-max-batch-size <max-num-seqs>` (speculating at every batch size)
 - fixed-4: the same with K=4
+- auto-int8: auto with `--draft-quantization int8` (the draft's linear layers in int8)
 
 run one at a time (in float32, the dtype `auto` picks on CPUs without native
 bf16, two servers do not fit in 24 GB), in ABBA order over the whole run:
@@ -59,7 +60,7 @@ from loadtest.analysis import ratio
 from loadtest.report import fmt, paired
 from loadtest.workloads import BUNDLED
 
-CONFIGS = ("auto", "fixed-2", "fixed-4")
+CONFIGS = ("auto", "auto-int8", "fixed-2", "fixed-4")
 PORT = 8101
 AUTO_FLOOR, BEST_FLOOR = 0.97, 0.95  # marked below these
 SPECULATION_OFF = {"speculation": {"max_draft_tokens": 0}}
@@ -68,6 +69,8 @@ SPECULATION_OFF = {"speculation": {"max_draft_tokens": 0}}
 def _flags(config: str, max_num_seqs: int) -> list[str]:
     if config == "auto":
         return ["--speculation", "auto"]
+    if config == "auto-int8":
+        return ["--speculation", "auto", "--draft-quantization", "int8"]
     return [
         "--speculation", "fixed", "--num-speculative-tokens", str(_fixed_k(config)),
         "--speculation-max-batch-size", str(max_num_seqs),
@@ -141,18 +144,18 @@ def table(out: Path) -> str:
         f"the larger of fixed-2's and fixed-4's. ⚠: auto below {AUTO_FLOOR}x no-spec or below "
         f"{BEST_FLOOR}x best fixed. Acceptance and K mix (engine steps by K) from auto's "
         "per-response speculation summaries; identical text: greedy replies equal to "
-        "no-spec's for the same prompt (auto / fixed-2 / fixed-4); failed: requests of all "
-        "the cell's runs.",
+        "no-spec's for the same prompt (auto / auto-int8 / fixed-2 / fixed-4); failed: "
+        "requests of all the cell's runs.",
         "",
-        "| workload | concurrency | no-spec tok/s | auto | fixed-2 | fixed-4 | "
+        "| workload | concurrency | no-spec tok/s | auto | auto-int8 | fixed-2 | fixed-4 | "
         "auto / best fixed | auto acceptance rate / mean length | auto K mix | "
         "identical text | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (workload, concurrency), runs in sorted(cells.items()):
         plain = _throughput(runs.get("no-spec", []))
         gains = {c: ratio(_throughput(runs[c]), plain) if c in runs else None for c in CONFIGS}
-        fixed = [g for c, g in gains.items() if c != "auto" and g is not None]
+        fixed = [g for c, g in gains.items() if c.startswith("fixed-") and g is not None]
         vs_best = ratio(gains["auto"], max(fixed)) if fixed and gains["auto"] else None
         acceptance, mix = _auto_speculation(runs["auto"]) if "auto" in runs else ("-", "-")
         identical = " / ".join(
@@ -161,7 +164,8 @@ def table(out: Path) -> str:
         failed = sum(run["summary"]["failed"] for group in runs.values() for run in group)
         lines.append(
             f"| {workload} | {concurrency} | {fmt(plain)} | {_mark(gains['auto'], AUTO_FLOOR)} | "
-            f"{fmt(gains['fixed-2'])} | {fmt(gains['fixed-4'])} | {_mark(vs_best, BEST_FLOOR)} | "
+            f"{fmt(gains['auto-int8'])} | {fmt(gains['fixed-2'])} | {fmt(gains['fixed-4'])} | "
+            f"{_mark(vs_best, BEST_FLOOR)} | "
             f"{acceptance} | {mix} | {identical} | {failed} |"
         )
     return "\n".join(lines) + "\n"
@@ -188,32 +192,34 @@ def paired_table(out: Path) -> str:
         f"fixed-4's. ⚠: auto's interval lies below {AUTO_FLOOR}x, or auto / best fixed below "
         f"{BEST_FLOOR}. K=0 tok/s from the auto server's K=0 side; acceptance and K mix from "
         "auto's side; identical text: greedy replies equal to the same server's K=0 ones "
-        "(auto / fixed-2 / fixed-4); failed: requests of every side.",
+        "(auto / auto-int8 / fixed-2 / fixed-4); failed: requests of every side.",
         "",
-        "| workload | concurrency | K=0 tok/s | auto / K=0 | fixed-2 / K=0 | fixed-4 / K=0 | "
-        "auto / best fixed | auto acceptance rate / mean length | auto K mix | "
-        "identical text | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | concurrency | K=0 tok/s | auto / K=0 | auto-int8 / K=0 | fixed-2 / K=0 | "
+        "fixed-4 / K=0 | auto / best fixed | auto acceptance rate / mean length | auto K mix | "
+        "auto-int8 acceptance rate / mean length | auto-int8 K mix | identical text | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (workload, concurrency), runs in sorted(cells.items()):
         results = {c: runs[c]["paired_speedup"] if c in runs else None for c in CONFIGS}
         auto = results["auto"]
         flag = " ⚠" if auto and auto["high"] is not None and auto["high"] < AUTO_FLOOR else ""
-        fixed = [r["speedup"] for c, r in results.items() if c != "auto" and r]
+        fixed = [r["speedup"] for c, r in results.items() if c.startswith("fixed-") and r]
         vs_best = ratio(auto["speedup"], max(fixed)) if auto and fixed else None
         sides = {c: runs[c]["servers"] for c in CONFIGS if c in runs}
         plain = sides["auto"]["off"]["summary"]["output_throughput"] if "auto" in sides else None
-        acceptance, mix = ("-", "-")
-        if "auto" in sides:
-            acceptance, mix = _auto_speculation([sides["auto"]["auto"]])
+        speculation = [
+            _auto_speculation([sides[c][c]]) if c in sides else ("-", "-")
+            for c in ("auto", "auto-int8")
+        ]
         identical = " / ".join(
             _identical([sides[c][c]], [sides[c]["off"]]) if c in sides else "-" for c in CONFIGS
         )
         failed = sum(s["summary"]["failed"] for group in sides.values() for s in group.values())
         lines.append(
             f"| {workload} | {concurrency} | {fmt(plain)} | {paired(auto)}{flag} | "
-            f"{paired(results['fixed-2'])} | {paired(results['fixed-4'])} | "
-            f"{_mark(vs_best, BEST_FLOOR)} | {acceptance} | {mix} | {identical} | {failed} |"
+            f"{paired(results['auto-int8'])} | {paired(results['fixed-2'])} | "
+            f"{paired(results['fixed-4'])} | {_mark(vs_best, BEST_FLOOR)} | "
+            f"{' | '.join(f'{a} | {m}' for a, m in speculation)} | {identical} | {failed} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -292,7 +298,7 @@ def _serve(
 def _run_paired(args: argparse.Namespace, engine_extra: list[str]) -> None:
     record = _start_recording(args)
     fixed = sorted((c for c in args.configs if c.startswith("fixed-")), key=_fixed_k)
-    groups = [("auto", ["auto"])] if "auto" in args.configs else []
+    groups = [(c, [c]) for c in ("auto", "auto-int8") if c in args.configs]
     if fixed:
         groups.append((fixed[-1], fixed))  # one server at the largest K serves every fixed K
     for server_config, configs in groups:
