@@ -17,7 +17,7 @@ the same text; writes the rows and `lscpu` to --out.
 import argparse
 import asyncio
 import json
-import signal
+import os
 import subprocess
 import sys
 import time
@@ -25,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+# The scripts folder is on sys.path when this file runs as a script.
+from bench_loadtest import _start, _stop
 
 PROMPTS = {
     "code": "Write a Python function that parses a CSV file into a list of dicts, "
@@ -126,26 +129,11 @@ def main() -> None:
     )
     command = [sys.executable, "-m", "server", "serve", "--port", str(args.port)]
     command += ["--metrics-port", str(args.port), *args.serve_args]
-    print(" ".join(command), flush=True)
-    with (args.out / "server.log").open("w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    server, _ = _start("server", command, dict(os.environ), args.port, args.out)
     try:
-        while True:
-            if server.poll() is not None:
-                raise SystemExit(f"server exited with {server.returncode}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{args.port}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
         rows = asyncio.run(_measure(args.port, args))
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        _stop(server)
     record = {
         "command": command,
         "rounds": args.rounds,

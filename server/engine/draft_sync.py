@@ -73,14 +73,14 @@ def install() -> None:
         self.drafter.specserve_live_requests = self.requests
         return original_hook(self, scheduler_output, *args, **kwargs)
 
-    def vllms_own(proposer: Any, values: dict[str, Any]) -> Any:
-        return original_propose(**values)
+    def vllms_own(proposer: Any, original: Any, values: dict[str, Any]) -> Any:
+        return original(**values)
 
     guarded = vllm_patches.contained("draft_idle", vllms_own)(_propose)
 
     def propose(self: Any, *args: Any, **kwargs: Any) -> Any:
         arguments = signature.bind(self, *args, **kwargs).arguments
-        return guarded(self, arguments)
+        return guarded(self, original_propose, arguments)
 
     vllm_patches.mark(propose, original_propose)
     vllm_patches.mark(propose_draft_token_ids, original_hook)
@@ -88,7 +88,7 @@ def install() -> None:
     DraftModelProposer.propose = propose  # type: ignore[method-assign]
 
 
-def _propose(proposer: Any, values: dict[str, Any]) -> Any:
+def _propose(proposer: Any, original: Any, values: dict[str, Any]) -> Any:
     """The draft's step: nothing at K=0, else the catch-up, then vLLM's own proposal."""
     import torch
 
@@ -113,7 +113,7 @@ def _propose(proposer: Any, values: dict[str, Any]) -> Any:
         proposer._last_draft_probs = None
         return torch.empty(cad.num_reqs, 0, dtype=torch.int64, device=positions.device)
     _catch_up(proposer, sync, cad, batch, req_ids, starts)
-    result = vllm_patches.original_of(type(proposer).propose)(**values)
+    result = original(**values)
     sync.forward_passes += num_speculative_tokens
     rejected = values.get("num_rejected_tokens_gpu")
     rejected_list = [0] * cad.num_reqs if rejected is None else rejected.tolist()

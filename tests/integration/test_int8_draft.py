@@ -2,6 +2,7 @@
 kernel, the target's greedy output is unchanged, and the quantized copy of the target
 still drafts for it well."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -33,8 +34,18 @@ def test_the_export_is_int8_per_channel_and_reused(int8_target: Path, tiny: Tiny
     assert str(tensors["model.embed_tokens.weight"].dtype) == "torch.float32"
     marker = int8_target / int8_export.COMPLETE_MARKER
     before = marker.stat().st_mtime_ns
-    assert int8_export.export(tiny.target, int8_target.parent.parent, report=print) == int8_target
+    cache = int8_target.parent.parent
+    assert int8_export.export(tiny.target, cache, report=print) == int8_target
     assert marker.stat().st_mtime_ns == before
+    # New weights in the source folder: the copy is made again.
+    weights = tiny.target / "model.safetensors"
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    try:
+        assert int8_export.export(tiny.target, cache, report=print) == int8_target
+        assert marker.stat().st_mtime_ns != before
+    finally:
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
 
 async def test_an_int8_draft_keeps_greedy_output_and_is_accepted(
