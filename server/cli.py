@@ -31,7 +31,8 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--metrics-port", {"type": int}),
     ("--model", {}),
     ("--draft-model", {}),
-    ("--draft-quantization", {"choices": ["none", "int8"]}),
+    ("--draft-quantization", {"choices": ["auto", "none", "int8"]}),
+    ("--draft-vocab", {}),
     ("--speculation", {"choices": ["auto", "fixed"]}),
     ("--speculative-method", {"choices": ["draft_model", "ngram"]}),
     ("--num-speculative-tokens", {"type": int}),
@@ -197,7 +198,12 @@ def _models(settings: Settings, command: str) -> None:
 
     for model in embedded.EMBEDDED_PAIR:
         if command == "pull":
-            embedded.pull(settings.cache_dir, model)
+            folder = embedded.pull(settings.cache_dir, model)
+            if model is embedded.DRAFT:
+                # What serving the draft needs made once: its int8 copy, its head's ranking.
+                from server.engine.resolve import prepare_draft
+
+                prepare_draft(settings, str(folder))
         else:
             state = "cached" if embedded.is_pulled(settings.cache_dir, model) else "not pulled"
             print(f"{model.name}\t{state}\t{embedded.model_dir(settings.cache_dir, model)}")

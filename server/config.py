@@ -21,6 +21,10 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 2
 DEFAULT_SPECULATION_MAX_BATCH_SIZE = 1
 # Auto mode: the largest K the autopilot may pick; it picks per step (0 included).
 DEFAULT_MAX_SPECULATIVE_TOKENS_AUTO = 4
+# The trimmed draft head: what auto keeps on a CPU, and the least a user may ask for
+# (fewer ids leave even common words out; see docs/benchmarks.md, "Trimmed draft head").
+AUTO_DRAFT_VOCAB = 32768
+MIN_DRAFT_VOCAB = 1024
 # Far above a full 32k-token prompt as JSON; bounds what one client can make us buffer.
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 # Bodies being read at once, each up to the size limit: what slow senders can make us hold.
@@ -74,11 +78,19 @@ class Settings(BaseSettings):
         description="Draft model folder or hub id. Unset means the embedded "
         "Qwen2.5-Coder-0.5B-Instruct when the target is the embedded one.",
     )
-    draft_quantization: Literal["none", "int8"] = Field(
-        "none",
+    draft_quantization: Literal["auto", "none", "int8"] = Field(
+        "auto",
         description="int8: run the draft from an int8 copy of its linear layers (compressed-"
-        "tensors W8A8, vLLM's int8 kernels on AMX/VNNI), exported once into the cache "
-        "folder; needs a local draft folder.",
+        "tensors W8A8 on vLLM's int8 kernels), exported once into the cache folder; needs a "
+        "local draft folder. auto: int8 on a CPU with int8 dot-product units (amx_int8, "
+        "avx512_vnni, avx_vnni) and a local draft, fp8 on a GPU, none elsewhere.",
+    )
+    draft_vocab: int | Literal["auto", "none"] = Field(
+        "auto",
+        description="Trim the draft's output head to the N most frequent token ids (plus each "
+        "request's own prompt and output ids): the output is unchanged, the draft reads fewer "
+        "bytes per proposed token. auto: 32768 on a CPU for a local draft with a larger "
+        "vocabulary, none on a GPU.",
     )
     speculative_method: Literal["draft_model", "ngram"] = Field(
         "draft_model",
@@ -266,6 +278,11 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}; "
                 "use --no-speculation to turn speculation off"
+            )
+        if isinstance(self.draft_vocab, int) and self.draft_vocab < MIN_DRAFT_VOCAB:
+            raise ValueError(
+                f"draft_vocab must be at least {MIN_DRAFT_VOCAB} ids, got {self.draft_vocab}; "
+                "use none for the whole head"
             )
         for name in ("model", "draft_model"):
             value = getattr(self, name)

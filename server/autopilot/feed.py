@@ -71,6 +71,10 @@ class AutopilotFeed:
         self.drain()
         return self._latest.get("draft", {})
 
+    def draft_head(self) -> dict[str, Any]:
+        self.drain()
+        return self._latest.get("draft_head", {})
+
     def idle_reasons(self) -> Counter[str]:
         """K=0 steps so far, by reason; a request diffs two of these."""
         return Counter(self.scheduler().get("zero_steps_by_reason", {}))

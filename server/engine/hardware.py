@@ -1,11 +1,14 @@
-"""Which dtype the engine runs in, chosen for the hardware it runs on.
+"""What the engine runs in, chosen for the hardware it runs on.
 
-Owns the `--dtype auto` decision: on a GPU the model's own dtype (vLLM's
+Owns two `auto` decisions. `--dtype`: on a GPU the model's own dtype (vLLM's
 "auto"); on a CPU bfloat16 only where the CPU multiplies bf16 natively
 (`avx512_bf16` or `amx_bf16`), float32 elsewhere, because emulated bf16 is
 slower than float32 (on an AVX2-only CPU prefill is several times slower and
-verifying K+1 draft tokens costs about twice one). A dtype the user set always
-wins. Reads the CPU flags from /proc/cpuinfo; imports neither vllm nor torch.
+verifying K+1 draft tokens costs about twice one). `--draft-quantization`: int8
+where the CPU has int8 dot-product units (measured faster there, docs/benchmarks.md),
+vLLM's fp8 on a GPU, none elsewhere (an AVX2-only CPU is unmeasured). A setting the
+user made always wins. Reads the CPU flags from /proc/cpuinfo; imports neither vllm
+nor torch.
 """
 
 from collections.abc import Iterable
@@ -59,4 +62,39 @@ def choose_dtype(
     return DtypeChoice(
         "float32",
         "CPU lacks avx512_bf16 and amx_bf16: bf16 would be emulated, float32 is faster",
+    )
+
+
+# x86 flags of CPUs with int8 dot-product units, which vLLM's int8 kernels use.
+INT8_DOT_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
+
+
+@dataclass(frozen=True)
+class DraftQuantizationChoice:
+    """How the draft's weights are stored and why, for the startup log."""
+
+    quantization: Literal["none", "int8", "fp8"]  # fp8: vLLM's online fp8, on a GPU
+    reason: str
+
+
+def choose_draft_quantization(
+    requested: Literal["auto", "none", "int8"],
+    *,
+    on_gpu: bool,
+    local_draft: bool,
+    cpu_flags: Iterable[str] | None = None,
+) -> DraftQuantizationChoice:
+    """Resolve `--draft-quantization`; `cpu_flags` None reads /proc/cpuinfo."""
+    if requested != "auto":
+        return DraftQuantizationChoice(requested, "set by --draft-quantization")
+    if on_gpu:
+        return DraftQuantizationChoice("fp8", "GPU: vLLM's online fp8 for the draft (untested)")
+    if not local_draft:
+        return DraftQuantizationChoice("none", "the draft is not a local folder to export from")
+    flags = read_cpu_flags() if cpu_flags is None else frozenset(cpu_flags)
+    for flag in INT8_DOT_FLAGS:
+        if flags is not None and flag in flags:
+            return DraftQuantizationChoice("int8", f"CPU has {flag}: int8 dot products")
+    return DraftQuantizationChoice(
+        "none", "CPU lacks int8 dot-product units (amx_int8, avx512_vnni, avx_vnni)"
     )

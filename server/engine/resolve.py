@@ -1,22 +1,29 @@
 """Turn Settings into an EngineConfig: which models, checked before loading.
 
-The embedded pair is pulled if it is not cached yet, and an int8 copy of the
-draft exported if asked for. Local folders are checked
+The embedded pair is pulled if it is not cached yet; the draft's int8 copy and the
+ranking of its vocabulary for a trimmed head are made once (`prepare_draft`, which
+`specserve models pull` runs too). Local folders are checked
 for draft/target compatibility, context length and a KV cache size that cannot
 hold one sequence, and the tool call parser is looked up, so a bad combination
 fails with one clear message instead of an engine traceback.
 """
 
 import importlib.util
+import json
+import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from server.config import ConfigError, Settings
+from server.config import AUTO_DRAFT_VOCAB, ConfigError, Settings
 from server.engine.compat import check_draft_compatible, check_max_model_len, kv_cache_gib_for
-from server.engine.hardware import choose_dtype
+from server.engine.hardware import choose_draft_quantization, choose_dtype
 from server.engine.tool_calls import parser_class
 from server.engine.vllm_engine import EngineConfig, gpu_count, has_gpu
-from server.models import embedded, int8_export
+from server.models import draft_vocab, embedded, int8_export
+
+logger = logging.getLogger(__name__)
 
 
 def _is_local(model: str) -> bool:
@@ -94,10 +101,9 @@ def resolve(settings: Settings) -> EngineConfig:
         assert settings.model is not None
         target = settings.model
     target = str(Path(target).expanduser()) if _is_local(target) else target
-    if draft is not None and settings.draft_quantization == "int8":
-        if not _is_local(draft):
-            raise ConfigError("--draft-quantization int8 needs --draft-model to be a local folder")
-        draft = str(int8_export.export(Path(draft).expanduser(), settings.cache_dir))
+    plan = None if draft is None else prepare_draft(settings, draft)
+    if plan is not None:
+        draft = plan.model
     if draft is not None and _is_local(draft):
         draft = str(Path(draft).expanduser())
         if _is_local(target):
@@ -109,6 +115,9 @@ def resolve(settings: Settings) -> EngineConfig:
         model=target,
         served_model_name=settings.served_model_name or Path(target).name,
         draft_model=draft,
+        draft_quantization=plan.quantization if plan else None,
+        draft_vocab_ranking=plan.vocab_ranking if plan else None,
+        draft_vocab_size=plan.vocab_size if plan else None,
         speculative_method=method,
         speculation_mode=settings.speculation,
         num_speculative_tokens=settings.speculative_tokens,
@@ -125,3 +134,66 @@ def resolve(settings: Settings) -> EngineConfig:
         tool_call_parser=settings.tool_call_parser,
         progress_bars=settings.log_format == "text",
     )
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """The draft as the engine loads it: its folder (the int8 copy where chosen), the
+    quantization vLLM applies itself (fp8 on a GPU), and its trimmed head, if any."""
+
+    model: str
+    quantization: str | None
+    vocab_ranking: Path | None
+    vocab_size: int | None
+
+
+def prepare_draft(
+    settings: Settings, draft: str, report: Callable[[str], None] = print
+) -> DraftPlan:
+    """Resolve `--draft-quantization` and `--draft-vocab` for `draft`, making the int8 copy
+    and the vocabulary ranking they need if they are not cached yet."""
+    local = _is_local(draft)
+    source = Path(draft).expanduser()
+    on_gpu = has_gpu()
+    choice = choose_draft_quantization(
+        settings.draft_quantization, on_gpu=on_gpu, local_draft=local
+    )
+    logger.info("draft quantization %s: %s", choice.quantization, choice.reason)
+    if choice.quantization == "int8" and not local:
+        raise ConfigError("--draft-quantization int8 needs --draft-model to be a local folder")
+    model = draft
+    if choice.quantization == "int8":
+        model = str(int8_export.export(source, settings.cache_dir, report=report))
+    size = _draft_vocab_size(settings.draft_vocab, source if local else None, on_gpu)
+    ranking = None if size is None else draft_vocab.ranking(source, settings.cache_dir, report)
+    return DraftPlan(
+        model=model,
+        quantization="fp8" if choice.quantization == "fp8" else None,
+        vocab_ranking=ranking,
+        vocab_size=size,
+    )
+
+
+def _draft_vocab_size(requested: int | str, draft: Path | None, on_gpu: bool) -> int | None:
+    """How many ranked ids the trimmed head keeps; None for the whole head."""
+    if requested == "none":
+        return None
+    tokenizer = None if draft is None else draft / "tokenizer.json"
+    if tokenizer is None or not tokenizer.is_file():
+        if requested == "auto":
+            logger.info("draft head whole: the draft is not a local folder with tokenizer.json")
+            return None
+        raise ConfigError(
+            "--draft-vocab needs --draft-model to be a local folder with tokenizer.json"
+        )
+    if requested == "auto" and on_gpu:
+        logger.info("draft head whole: on a GPU a trimmed head is untested")
+        return None
+    size = AUTO_DRAFT_VOCAB if requested == "auto" else int(requested)
+    assert draft is not None
+    vocab = json.loads((draft / "config.json").read_text()).get("vocab_size", 0)
+    if size >= vocab:
+        logger.info("draft head whole: its %d ids are no more than --draft-vocab %d", vocab, size)
+        return None
+    logger.info("draft head trimmed to %d of %d ids, plus each request's own", size, vocab)
+    return size

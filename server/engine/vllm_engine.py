@@ -88,6 +88,10 @@ class EngineConfig:
     speculation_trace: Path | None = None  # one JSON line per engine step here
     # Tests only: K forced per engine step ("0x4,3x4,1": K for so many steps, cycled).
     speculation_script: str | None = None
+    draft_quantization: str | None = None  # what vLLM quantizes the draft to itself (fp8)
+    # The trimmed draft head (draft_head.py): the ranking file and how many ids it keeps.
+    draft_vocab_ranking: Path | None = None
+    draft_vocab_size: int | None = None
 
 
 def speculation_schedule(k: int, max_batch_size: int, max_num_seqs: int) -> list[list[int]]:
@@ -271,8 +275,12 @@ class VllmEngine:
         piece of the others; the autopilot's feed where its scheduler will run."""
         config = self._config
         distribution, version = vllm_distribution()
+        asked = frozenset() if config.draft_vocab_size is None else frozenset({"draft_vocab"})
         patches, lines = vllm_patches.usable(
-            vllm_patches.installed_source(), distribution, config.speculative_method is not None
+            vllm_patches.installed_source(),
+            distribution,
+            config.speculative_method is not None,
+            asked,
         )
         for line in lines:
             logger.warning("specserve: %s %s", version, line)
@@ -301,6 +309,11 @@ class VllmEngine:
                 "max_batch_size": config.speculation_max_batch_size,
                 "script": config.speculation_script,
                 "trace": str(trace.resolve()) if trace else None,
+            }
+        if "draft_vocab" in patches:
+            settings["draft_vocab"] = {
+                "ranking": str(config.draft_vocab_ranking),
+                "size": config.draft_vocab_size,
             }
         os.environ[vllm_patches.SETTINGS_ENV] = json.dumps(settings)
         if "logit_bias" in patches:
@@ -366,6 +379,8 @@ class VllmEngine:
         }
         if config.speculative_method == "draft_model":
             spec["model"] = config.draft_model
+            if config.draft_quantization is not None:
+                spec["quantization"] = config.draft_quantization
         else:
             spec["prompt_lookup_max"] = 4
             spec["prompt_lookup_min"] = 2
@@ -385,7 +400,7 @@ class VllmEngine:
     def autopilot_state(self) -> dict[str, Any] | None:
         if self._feed is None:
             return None
-        state = {**self._feed.scheduler(), **self._feed.draft()}
+        state = {**self._feed.scheduler(), **self._feed.draft(), **self._feed.draft_head()}
         state.pop("source", None)
         return state
 

