@@ -1,13 +1,18 @@
-"""Never slower: speculation `auto` and fixed K=2 / K=4 against no speculation.
+"""Never slower: speculation `auto` (with each kind of draft) and fixed K=2 / K=4 against
+no speculation.
 
-Four `specserve serve` configurations on the default pair:
+The `specserve serve` configurations on the default pair:
 
 - no-spec: `--no-speculation`
-- auto:    `--speculation auto` (the default: the autopilot picks K per engine step)
+- auto:    the default: the autopilot picks K per engine step, with the default draft
+           (`--draft-quantization auto`, `--draft-vocab auto`: on a CPU with int8 dot
+           products the int8 draft with its head trimmed to 32k ids)
+- auto-int8-full-head: auto with `--draft-quantization int8 --draft-vocab none`
+- auto-unquantized: auto with `--draft-quantization none --draft-vocab none` (the draft
+           in the engine's dtype with its whole head: the default before the cheap drafts)
 - fixed-2: `--speculation fixed --num-speculative-tokens 2
            --speculation-max-batch-size <max-num-seqs>` (speculating at every batch size)
 - fixed-4: the same with K=4
-- auto-int8: auto with `--draft-quantization int8` (the draft's linear layers in int8)
 
 run one at a time (in float32, the dtype `auto` picks on CPUs without native
 bf16, two servers do not fit in 24 GB), in ABBA order over the whole run:
@@ -35,9 +40,12 @@ against the same server's requests with speculation off (`{"speculation":
 in R alternating rounds (ABBA) of `concurrency` requests each. auto runs on an
 auto server; fixed-2 and fixed-4 on one fixed server at the larger K, fixed-2
 as its requests capped at 2 (`max_draft_tokens`: the step's K is 2, the draft
-proposes 2). Results go to <out>/paired/<config>/<workload>-c<level>/, and
+proposes 2). Results go to <out>/paired/<config>/<workload>-c<level>/, each auto
+server's /health at the end of its run to <out>/paired/<config>/health.json, and
 <out>/paired.md gives each configuration's round-by-round ratio over K=0 with
-its 95% interval per cell, and auto / best fixed as the ratio of those ratios.
+its 95% interval per cell, auto / best fixed as the ratio of those ratios, and
+per auto configuration its cost model: the draft's seconds per position against a
+plain step, and acceptance by position.
 
     .venv/bin/python scripts/bench_autopilot.py --out loadtest-results/autopilot-paired \\
         --paired 8 --concurrency 1 2 4 8 --max-tokens 32 -- --max-model-len 4096
@@ -53,6 +61,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 # The scripts folder is on sys.path when this file runs as a script.
 from bench_loadtest import _loadtest, _start, _stop
 
@@ -60,17 +70,21 @@ from loadtest.analysis import ratio
 from loadtest.report import fmt, paired
 from loadtest.workloads import BUNDLED
 
-CONFIGS = ("auto", "auto-int8", "fixed-2", "fixed-4")
+CONFIGS = ("auto", "auto-int8-full-head", "auto-unquantized", "fixed-2", "fixed-4")
+AUTO_CONFIGS = tuple(c for c in CONFIGS if c.startswith("auto"))
+DRAFT_FLAGS = {
+    "auto": [],
+    "auto-int8-full-head": ["--draft-quantization", "int8", "--draft-vocab", "none"],
+    "auto-unquantized": ["--draft-quantization", "none", "--draft-vocab", "none"],
+}
 PORT = 8101
 AUTO_FLOOR, BEST_FLOOR = 0.97, 0.95  # marked below these
 SPECULATION_OFF = {"speculation": {"max_draft_tokens": 0}}
 
 
 def _flags(config: str, max_num_seqs: int) -> list[str]:
-    if config == "auto":
-        return ["--speculation", "auto"]
-    if config == "auto-int8":
-        return ["--speculation", "auto", "--draft-quantization", "int8"]
+    if config in DRAFT_FLAGS:
+        return ["--speculation", "auto", *DRAFT_FLAGS[config]]
     return [
         "--speculation", "fixed", "--num-speculative-tokens", str(_fixed_k(config)),
         "--speculation-max-batch-size", str(max_num_seqs),
@@ -144,13 +158,13 @@ def table(out: Path) -> str:
         f"the larger of fixed-2's and fixed-4's. ⚠: auto below {AUTO_FLOOR}x no-spec or below "
         f"{BEST_FLOOR}x best fixed. Acceptance and K mix (engine steps by K) from auto's "
         "per-response speculation summaries; identical text: greedy replies equal to "
-        "no-spec's for the same prompt (auto / auto-int8 / fixed-2 / fixed-4); failed: "
-        "requests of all the cell's runs.",
+        f"no-spec's for the same prompt ({' / '.join(CONFIGS)}); failed: requests of all "
+        "the cell's runs.",
         "",
-        "| workload | concurrency | no-spec tok/s | auto | auto-int8 | fixed-2 | fixed-4 | "
+        f"| workload | concurrency | no-spec tok/s | {' | '.join(CONFIGS)} | "
         "auto / best fixed | auto acceptance rate / mean length | auto K mix | "
         "identical text | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|" + "---|" * len(CONFIGS) + "---|---|---|---|---|",
     ]
     for (workload, concurrency), runs in sorted(cells.items()):
         plain = _throughput(runs.get("no-spec", []))
@@ -162,11 +176,10 @@ def table(out: Path) -> str:
             _identical(runs[c], runs.get("no-spec", [])) if c in runs else "-" for c in CONFIGS
         )
         failed = sum(run["summary"]["failed"] for group in runs.values() for run in group)
+        columns = [_mark(gains["auto"], AUTO_FLOOR), *(fmt(gains[c]) for c in CONFIGS[1:])]
         lines.append(
-            f"| {workload} | {concurrency} | {fmt(plain)} | {_mark(gains['auto'], AUTO_FLOOR)} | "
-            f"{fmt(gains['auto-int8'])} | {fmt(gains['fixed-2'])} | {fmt(gains['fixed-4'])} | "
-            f"{_mark(vs_best, BEST_FLOOR)} | "
-            f"{acceptance} | {mix} | {identical} | {failed} |"
+            f"| {workload} | {concurrency} | {fmt(plain)} | {' | '.join(columns)} | "
+            f"{_mark(vs_best, BEST_FLOOR)} | {acceptance} | {mix} | {identical} | {failed} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -190,14 +203,16 @@ def paired_table(out: Path) -> str:
         "geometric mean of the per-round ratios of alternating rounds (ABBA) and its 95% "
         "interval; auto / best fixed = auto's ratio over the larger of fixed-2's and "
         f"fixed-4's. ⚠: auto's interval lies below {AUTO_FLOOR}x, or auto / best fixed below "
-        f"{BEST_FLOOR}. K=0 tok/s from the auto server's K=0 side; acceptance and K mix from "
-        "auto's side; identical text: greedy replies equal to the same server's K=0 ones "
-        "(auto / auto-int8 / fixed-2 / fixed-4); failed: requests of every side.",
+        f"{BEST_FLOOR}. K=0 tok/s from the auto server's K=0 side; acceptance rate / mean "
+        "acceptance length and K mix from each auto configuration's speculating side; "
+        "identical text: greedy replies equal to the same server's K=0 ones "
+        f"({' / '.join(CONFIGS)}); failed: requests of every side.",
         "",
-        "| workload | concurrency | K=0 tok/s | auto / K=0 | auto-int8 / K=0 | fixed-2 / K=0 | "
-        "fixed-4 / K=0 | auto / best fixed | auto acceptance rate / mean length | auto K mix | "
-        "auto-int8 acceptance rate / mean length | auto-int8 K mix | identical text | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| workload | concurrency | K=0 tok/s | {' | '.join(f'{c} / K=0' for c in CONFIGS)} | "
+        "auto / best fixed | "
+        f"{' | '.join(f'{c} acceptance / length | {c} K mix' for c in AUTO_CONFIGS)} | "
+        "identical text | failed |",
+        "|---|---|---|" + "---|" * (len(CONFIGS) + 1 + 2 * len(AUTO_CONFIGS)) + "---|---|",
     ]
     for (workload, concurrency), runs in sorted(cells.items()):
         results = {c: runs[c]["paired_speedup"] if c in runs else None for c in CONFIGS}
@@ -208,18 +223,53 @@ def paired_table(out: Path) -> str:
         sides = {c: runs[c]["servers"] for c in CONFIGS if c in runs}
         plain = sides["auto"]["off"]["summary"]["output_throughput"] if "auto" in sides else None
         speculation = [
-            _auto_speculation([sides[c][c]]) if c in sides else ("-", "-")
-            for c in ("auto", "auto-int8")
+            " | ".join(_auto_speculation([sides[c][c]])) if c in sides else "- | -"
+            for c in AUTO_CONFIGS
         ]
         identical = " / ".join(
             _identical([sides[c][c]], [sides[c]["off"]]) if c in sides else "-" for c in CONFIGS
         )
         failed = sum(s["summary"]["failed"] for group in sides.values() for s in group.values())
+        columns = [f"{paired(auto)}{flag}", *(paired(results[c]) for c in CONFIGS[1:])]
         lines.append(
-            f"| {workload} | {concurrency} | {fmt(plain)} | {paired(auto)}{flag} | "
-            f"{paired(results['auto-int8'])} | {paired(results['fixed-2'])} | "
-            f"{paired(results['fixed-4'])} | {_mark(vs_best, BEST_FLOOR)} | "
-            f"{' | '.join(f'{a} | {m}' for a, m in speculation)} | {identical} | {failed} |"
+            f"| {workload} | {concurrency} | {fmt(plain)} | {' | '.join(columns)} | "
+            f"{_mark(vs_best, BEST_FLOOR)} | {' | '.join(speculation)} | {identical} | {failed} |"
+        )
+    return "\n".join(lines) + "\n" + _cost_table(out)
+
+
+def _cost_table(out: Path) -> str:
+    """Per auto configuration, its autopilot's cost model and acceptance at the end of its
+    run (<out>/paired/<config>/health.json)."""
+    lines = [
+        "",
+        "### The autopilot's cost model per auto configuration, at the end of its run",
+        "",
+        "Draft s / position: the fitted cost of one draft position at one request; plain "
+        "step s: the fitted plain target step at one request; verify s / token: what one "
+        "more verified token adds to a step; acceptance by position: the autopilot's "
+        "estimate; own-id proposals: the trimmed head's proposals of a request's own ids "
+        "outside the kept ones, of all its proposals.",
+        "",
+        "| configuration | draft s / position | plain step s | draft / plain | "
+        "verify s / token | acceptance by position | own-id proposals |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for config in AUTO_CONFIGS:
+        path = out / "paired" / config / "health.json"
+        if not path.is_file():
+            continue
+        state = json.loads(path.read_text())["details"]["autopilot"]
+        draft, plain = state.get("draft_seconds_per_token"), state.get("plain_step_seconds")
+        rates = ", ".join(f"{r:.2f}" for r in state.get("acceptance_by_position", []))
+        own = (
+            f"{state['draft_head_own_proposals']} / {state['draft_head_proposals']}"
+            if "draft_head_proposals" in state
+            else "-"
+        )
+        lines.append(
+            f"| {config} | {fmt(draft, 4)} | {fmt(plain, 4)} | {fmt(ratio(draft, plain))} | "
+            f"{fmt(state.get('verify_seconds_per_token'), 4)} | {rates} | {own} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -298,7 +348,7 @@ def _serve(
 def _run_paired(args: argparse.Namespace, engine_extra: list[str]) -> None:
     record = _start_recording(args)
     fixed = sorted((c for c in args.configs if c.startswith("fixed-")), key=_fixed_k)
-    groups = [(c, [c]) for c in ("auto", "auto-int8") if c in args.configs]
+    groups = [(c, [c]) for c in AUTO_CONFIGS if c in args.configs]
     if fixed:
         groups.append((fixed[-1], fixed))  # one server at the largest K serves every fixed K
     for server_config, configs in groups:
@@ -324,6 +374,9 @@ def _run_paired(args: argparse.Namespace, engine_extra: list[str]) -> None:
                             ],
                             record,
                         )  # fmt: skip
+            if server_config in AUTO_CONFIGS:
+                health = httpx.get(f"{url}/health", timeout=30).text
+                (args.out / "paired" / server_config / "health.json").write_text(health)
         finally:
             _stop(server)
 

@@ -384,5 +384,8 @@ class AutopilotScheduler(Scheduler):
                 "verify_seconds_per_token": self._cost.verify_seconds_per_token()
                 if self._cost.ready
                 else None,
+                # What one plain target step costs a lone request: the draft's price per
+                # position reads as a fraction of it.
+                "plain_step_seconds": self._cost.predict(1, 0) if self._cost.ready else None,
             }
         )

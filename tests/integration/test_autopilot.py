@@ -148,6 +148,7 @@ async def test_auto_mode_calibrates_decides_and_reports(auto_server: RunningServ
         state = (await http.get("/health")).json()["details"]["autopilot"]
     assert state["mode"] == "auto" and state["cost_ready"], state
     assert state["draft_seconds_per_token"] >= 0 and state["verify_seconds_per_token"] >= 0
+    assert state["plain_step_seconds"] > 0
     assert len(state["acceptance_by_position"]) == 3
     labels = {"model": "tiny-auto"}
     assert REGISTRY.get_sample_value("specserve_speculation_k_in_force", labels) is not None

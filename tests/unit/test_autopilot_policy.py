@@ -223,6 +223,43 @@ def test_slower_draft_turns_speculation_off_within_the_cost_window(seed: int) ->
     assert sim.cost.predict(1, 0) == pytest.approx(slow_draft.seconds(1, 0, 0), rel=0.05)
 
 
+# A CPU-like pair where drafting costs a quarter of a plain step: K=4 or 5 is best.
+QUARTER_DRAFT = Machine(a=0.15, b=0.01, c=0.005, d=0.035, e=0.002)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_after_a_noisy_neighbour_leaves_speculation_resumes_within_dozens_of_steps(
+    seed: int,
+) -> None:
+    """A neighbour on the same cores slows the target 1.2x and the draft 3x (only K=1 or 2
+    still pays), then leaves. Speculating steps measured beside it must not keep K at 0 once
+    plain steps run at their old pace again: the batch size is calibrated again."""
+    contended = Machine(
+        a=QUARTER_DRAFT.a * 1.2,
+        b=QUARTER_DRAFT.b * 1.2,
+        c=QUARTER_DRAFT.c * 1.2,
+        d=QUARTER_DRAFT.d * 3.0,
+        e=QUARTER_DRAFT.e * 3.0,
+    )
+    assert allowed_ks(QUARTER_DRAFT, 1, 0.85) == {4, 5}
+    assert allowed_ks(contended, 1, 0.85) == {1, 2}
+    sim = Sim(QUARTER_DRAFT, seed)
+    sim.calibrate(0.85)
+    sim.set_requests({"r": 0.85})
+    assert sum(speculating(run_end_to_end(sim, 200))) >= 190
+    sim.machine, sim.noise = contended, 0.2
+    run_end_to_end(sim, 300)
+    sim.machine, sim.noise = QUARTER_DRAFT, 0.02
+    after = run_end_to_end(sim, 400)
+    on = speculating(after)
+    steady_from = next(i for i in range(len(on)) if all(on[i : i + 50]))
+    assert steady_from <= 60, steady_from  # a few dozen steps
+    # Then as fast as the best K, within what the flat top of the curve and noise allow.
+    best = max(QUARTER_DRAFT.throughput(1, k, 0.85) for k in range(K_MAX + 1))
+    chosen = [QUARTER_DRAFT.throughput(1, d.k, 0.85) for d in after[steady_from:]]
+    assert sum(chosen) / len(chosen) >= 0.97 * best
+
+
 # 5. Probing while off.
 
 
