@@ -7,9 +7,9 @@ Owns the decision and what it rests on, with nothing that touches an engine (std
 - Controller: the K with the most expected output tokens per second, the draft's catch-up on
   arriving requests' prompts included (0 when speculation does not pay, or when the requests end
   before the draft's catch-up is paid back), per-request caps on
-  verified drafts, the startup calibration cycle, a new cycle at a batch size whose steps
-  change pace (a neighbour on the cores came or went), and the probes that keep a stale "off"
-  from lasting forever.
+  verified drafts, the startup calibration cycle, forgetting what a batch size measured when
+  its steps change pace (a neighbour on the cores came or went), and the probes that keep a
+  stale "off" from lasting forever.
 The vLLM glue (server/engine/autopilot_scheduler.py) feeds it measurements and applies Decisions.
 """
 
@@ -66,14 +66,14 @@ _PLAIN_STALENESS = 0.999
 _VETO_MIN_STEPS = 4.0
 _VETO_RECOVERY = 0.001
 _PREFILL_LEARNING = 0.1  # weight of each plain prefill step in the target's prefill cost
-# The machine's pace: where a step at a batch size (the low median of its shape's full set of
-# samples, at whichever K runs) moves this far from what it was when that batch size was last
-# calibrated, either way, what was measured there describes another machine (a neighbour came
-# or went) and is measured again: one calibration cycle there, with its measured shapes, its
-# end-to-end sides and its realised fraction forgotten. Otherwise speculating steps measured
-# beside a neighbour that slowed the draft more than the target (a compile on the same two
-# cores) kept K at 0 for hundreds of steps after it left. At 1.1 a quiet machine's noise,
-# which the low median absorbs, does not trigger it.
+# The machine's pace: where a step at a batch size (the low median of its shape's own full set
+# of samples, at whichever K runs) moves this far from when it first settled, either way, what
+# was measured at that batch size describes another machine (a neighbour on the cores came or
+# went): its shapes, its end-to-end sides and its realised fraction are forgotten and measured
+# again as traffic runs, and probes restart from the shortest interval. Otherwise speculating
+# steps measured beside a neighbour that slowed the draft more than the target (a compile on
+# the same two cores) kept K at 0 for hundreds of steps after it left. At 1.1 a quiet
+# machine's noise, which the low median absorbs, does not trigger it.
 _PACE_CHANGE = 1.1
 # A probe's catch-up is paid from this share of the time spent at K = 0 since the last probe
 # (or since speculation stopped). The draft catches up on every request's whole context: on a
@@ -250,9 +250,14 @@ class CostModel:
         for shape in [shape for shape in self._measured if shape[0] == batch_size]:
             del self._measured[shape]
 
-    def settled(self, shape: tuple[int, int]) -> bool:
-        """The shape holds its full count of samples: its low median is stable."""
-        return len(self._measured.get(shape, ())) == _SHAPE_SAMPLES
+    def settled_seconds(self, shape: tuple[int, int]) -> float | None:
+        """The low median of the shape's own step times once it holds its full count of
+        samples (None before): what the machine's pace is read from, apart from other
+        shapes."""
+        samples = self._measured.get(shape, ())
+        if len(samples) < _SHAPE_SAMPLES:
+            return None
+        return _low_median([sample.seconds for sample in samples])
 
     def _is_measured(self, shape: tuple[int, int]) -> bool:
         """Enough samples to stand for the shape: two for the plain step, so that one slow
@@ -593,9 +598,8 @@ class Controller:
         self._max_interval = max_probe_interval_steps
         self._probe_interval = probe_interval_steps
         self._calibration_steps = 0
-        # (batch size, K) -> that step's measured time when the batch size was last calibrated
+        # (batch size, K) -> that shape's settled time since its batch size was last forgotten
         self._pace: dict[tuple[int, int], float] = {}
-        self._recalibration: tuple[int, int] | None = None  # (batch size, steps into the cycle)
         self._off_steps = 0  # K = 0 steps since speculation stopped or since the last probe
         self._off_seconds = 0.0  # their predicted time
         # batch size -> measured over predicted speedup of its steady speculating steps
@@ -627,11 +631,8 @@ class Controller:
             # whole prompt in the next step, which then verifies nothing (on a 2-core CPU, one
             # code request of 32 tokens spent 15% of its time on that step).
             return Decision(0, dict.fromkeys(request_ids, 0), "prefill", 1.0, False)
-        if self._pace_changed(batch) or (
-            self._recalibration is not None and self._recalibration[0] == batch
-        ):
-            return self._recalibrate(batch, request_ids)
-        self._recalibration = None
+        if self._pace_changed(batch):
+            self._forget_measurements(batch)
         catch_up = self._cost.catch_up_seconds(sum(state.behind for state in requests.values()))
         left = sum(min(state.tokens_left, _HORIZON_TOKENS) for state in requests.values())
         requested = {
@@ -843,35 +844,26 @@ class Controller:
 
     def _pace_changed(self, batch: int) -> bool:
         """Whether a settled shape at this batch size (at any K: the one that runs is the one
-        measured again) moved past _PACE_CHANGE since the batch size was last calibrated
-        (each shape's reference is its time when it first settled since)."""
-        if self._recalibration is not None:
-            return False
+        measured again) moved past _PACE_CHANGE since what was measured there was last
+        forgotten (each shape's reference is its time when it first settled since)."""
         for k in range(self._k_max + 1):
-            if self._cost.settled((batch, k)):
-                now = self._cost.predict(batch, k)
+            now = self._cost.settled_seconds((batch, k))
+            if now is not None:
                 then = self._pace.setdefault((batch, k), now)
                 if not 1.0 / _PACE_CHANGE <= now / then <= _PACE_CHANGE:
                     return True
         return False
 
-    def _recalibrate(self, batch: int, request_ids: list[str]) -> Decision:
-        """One step of the calibration cycle at this batch size, from scratch at its start:
-        its measured shapes, end-to-end sides and realised fraction forgotten."""
-        if self._recalibration is None:
-            self._cost.forget_shapes(batch)
-            self._end_to_end.pop(batch, None)
-            self._realised.pop(batch, None)
-            self._recalibration = (batch, 0)
-        step = self._recalibration[1]
-        if step + 1 >= 2 * (self._k_max + 1):
-            self._recalibration = None
-            for k in range(self._k_max + 1):
-                self._pace.pop((batch, k), None)  # set again by the shapes measured next
-        else:
-            self._recalibration = (batch, step + 1)
-        k = (step // 2) % (self._k_max + 1)
-        return Decision(k, dict.fromkeys(request_ids, k), None if k else "calibrating", 1.0, True)
+    def _forget_measurements(self, batch: int) -> None:
+        """What was measured at this batch size described another machine: its shapes, its
+        end-to-end sides and its realised fraction go, and probes start again from the
+        shortest interval."""
+        self._cost.forget_shapes(batch)
+        self._end_to_end.pop(batch, None)
+        self._realised.pop(batch, None)
+        for k in range(self._k_max + 1):
+            self._pace.pop((batch, k), None)
+        self._probe_interval = self._base_interval
 
     def _caps(self, tokens: dict[str, list[float]], k: int, throughput: float) -> dict[str, int]:
         # The draft runs K passes for everyone anyway; what a cap saves is verify time. One more
