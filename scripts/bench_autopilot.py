@@ -7,6 +7,8 @@ The `specserve serve` configurations on the default pair:
 - auto:    the default: the autopilot picks K per engine step, with the default draft
            (`--draft-quantization auto`, `--draft-vocab auto`: on a CPU with int8 dot
            products the int8 draft with its head trimmed to 32k ids)
+- auto-vocab-16k, auto-vocab-64k: auto with the head trimmed to 16,384 or 65,536 ids
+           (`--draft-vocab N`), beside the default's 32,768
 - auto-int8-full-head: auto with `--draft-quantization int8 --draft-vocab none`
 - auto-unquantized: auto with `--draft-quantization none --draft-vocab none` (the draft
            in the engine's dtype with its whole head: the default before the cheap drafts)
@@ -70,10 +72,20 @@ from loadtest.analysis import ratio
 from loadtest.report import fmt, paired
 from loadtest.workloads import BUNDLED
 
-CONFIGS = ("auto", "auto-int8-full-head", "auto-unquantized", "fixed-2", "fixed-4")
+CONFIGS = (
+    "auto",
+    "auto-vocab-16k",
+    "auto-vocab-64k",
+    "auto-int8-full-head",
+    "auto-unquantized",
+    "fixed-2",
+    "fixed-4",
+)
 AUTO_CONFIGS = tuple(c for c in CONFIGS if c.startswith("auto"))
 DRAFT_FLAGS = {
     "auto": [],
+    "auto-vocab-16k": ["--draft-vocab", "16384"],
+    "auto-vocab-64k": ["--draft-vocab", "65536"],
     "auto-int8-full-head": ["--draft-quantization", "int8", "--draft-vocab", "none"],
     "auto-unquantized": ["--draft-quantization", "none", "--draft-vocab", "none"],
 }

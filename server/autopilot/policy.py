@@ -13,7 +13,7 @@ Owns the decision and what it rests on, with nothing that touches an engine (std
 The vLLM glue (server/engine/autopilot_scheduler.py) feeds it measurements and applies Decisions.
 """
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -66,15 +66,19 @@ _PLAIN_STALENESS = 0.999
 _VETO_MIN_STEPS = 4.0
 _VETO_RECOVERY = 0.001
 _PREFILL_LEARNING = 0.1  # weight of each plain prefill step in the target's prefill cost
-# The machine's pace: where a step at a batch size (the low median of its shape's own full set
-# of samples, at whichever K runs) moves this far from when it first settled, either way, what
-# was measured at that batch size describes another machine (a neighbour on the cores came or
-# went): its shapes, its end-to-end sides and its realised fraction are forgotten and measured
-# again as traffic runs, and probes restart from the shortest interval. Otherwise speculating
-# steps measured beside a neighbour that slowed the draft more than the target (a compile on
-# the same two cores) kept K at 0 for hundreds of steps after it left. At 1.1 a quiet
-# machine's noise, which the low median absorbs, does not trigger it.
+# The machine's pace: where a settled step at a batch size (the low median of its shape's own
+# full set of samples) stays this far from when it first settled, either way, for as many new
+# samples as a full set, what was measured at that batch size describes another machine (a
+# neighbour on the cores came or went): its shapes, its end-to-end sides and its realised
+# fraction are forgotten and measured again as traffic runs, and probes restart from the
+# shortest interval. Otherwise steps measured beside a neighbour that slowed the draft more than
+# the target (a compile on the same two cores) kept K at 0, or at a K too small, for hundreds of
+# steps after it left. A quiet machine moves as much, but not for as long: on a 2-core CPU, over
+# six code requests, a K = 4 shape's low median moved by 0.85-1.33x and the plain step's by
+# 0.99-1.06x, and a band of 1.1 for any one excursion sent 23% of the steps to measuring again.
+# Steps with drafts vary more with the draft's work than plain steps: they have a wider band.
 _PACE_CHANGE = 1.1
+_DRAFTING_PACE_CHANGE = 1.25
 # A probe's catch-up is paid from this share of the time spent at K = 0 since the last probe
 # (or since speculation stopped). The draft catches up on every request's whole context: on a
 # 2-core CPU, two 80-token prose contexts took ~2.5 s, seven plain steps, and rounds of prose at
@@ -162,6 +166,7 @@ class CostModel:
         # measures K = 0..k_max at two batch sizes) beats extrapolating from others. See
         # _measured_seconds for how they are read.
         self._measured: dict[tuple[int, int], deque[_ShapeSample]] = {}
+        self._taken: Counter[tuple[int, int]] = Counter()  # steady steps ever seen per shape
 
     def observe(self, step: StepRecord) -> None:
         if step.prefill_tokens > 0 or step.batch_size <= 0:
@@ -202,6 +207,7 @@ class CostModel:
             shape = (step.batch_size, step.proposed_k)
             samples = self._measured.setdefault(shape, deque(maxlen=_SHAPE_SAMPLES))
             samples.append(self._sample(shape, step.duration))
+            self._taken[shape] += 1
 
     def _sample(self, shape: tuple[int, int], seconds: float) -> "_ShapeSample":
         batch_size, k = shape
@@ -250,6 +256,10 @@ class CostModel:
         for shape in [shape for shape in self._measured if shape[0] == batch_size]:
             del self._measured[shape]
 
+    def samples_taken(self, shape: tuple[int, int]) -> int:
+        """Steady steps of this shape seen since startup (forgetting does not reset it)."""
+        return self._taken[shape]
+
     def settled_seconds(self, shape: tuple[int, int]) -> float | None:
         """The low median of the shape's own step times once it holds its full count of
         samples (None before): what the machine's pace is read from, apart from other
@@ -258,6 +268,17 @@ class CostModel:
         if len(samples) < _SHAPE_SAMPLES:
             return None
         return _low_median([sample.seconds for sample in samples])
+
+    def spread(self) -> dict[str, float]:
+        """Each measured shape's spread, "BxK": (slowest - fastest) / median of its samples.
+        Read after the startup calibration (two or three samples of each shape), it says how
+        far apart repeated cycles measured the same step: what the startup estimate is worth."""
+        spreads = {}
+        for (batch_size, k), samples in sorted(self._measured.items()):
+            seconds = [sample.seconds for sample in samples]
+            if len(seconds) >= 2:
+                spreads[f"{batch_size}x{k}"] = (max(seconds) - min(seconds)) / _low_median(seconds)
+        return spreads
 
     def _is_measured(self, shape: tuple[int, int]) -> bool:
         """Enough samples to stand for the shape: two for the plain step, so that one slow
@@ -600,6 +621,8 @@ class Controller:
         self._calibration_steps = 0
         # (batch size, K) -> that shape's settled time since its batch size was last forgotten
         self._pace: dict[tuple[int, int], float] = {}
+        # (batch size, K) -> samples_taken when that shape's settled time left its band
+        self._outside_since: dict[tuple[int, int], int] = {}
         self._off_steps = 0  # K = 0 steps since speculation stopped or since the last probe
         self._off_seconds = 0.0  # their predicted time
         # batch size -> measured over predicted speedup of its steady speculating steps
@@ -844,14 +867,24 @@ class Controller:
 
     def _pace_changed(self, batch: int) -> bool:
         """Whether a settled shape at this batch size (at any K: the one that runs is the one
-        measured again) moved past _PACE_CHANGE since what was measured there was last
-        forgotten (each shape's reference is its time when it first settled since)."""
+        measured again) has been outside its band for its last _SHAPE_SAMPLES samples, since
+        what was measured there was last forgotten (each shape's reference is its time when
+        it first settled since)."""
         for k in range(self._k_max + 1):
-            now = self._cost.settled_seconds((batch, k))
-            if now is not None:
-                then = self._pace.setdefault((batch, k), now)
-                if not 1.0 / _PACE_CHANGE <= now / then <= _PACE_CHANGE:
-                    return True
+            shape = (batch, k)
+            now = self._cost.settled_seconds(shape)
+            if now is None:
+                continue
+            then = self._pace.setdefault(shape, now)
+            taken = self._cost.samples_taken(shape)
+            outside_since = self._outside_since.get(shape)
+            band = _DRAFTING_PACE_CHANGE if k else _PACE_CHANGE
+            if 1.0 / band <= now / then <= band:
+                self._outside_since.pop(shape, None)
+            elif outside_since is None:
+                self._outside_since[shape] = taken
+            elif taken - outside_since >= _SHAPE_SAMPLES:
+                return True
         return False
 
     def _forget_measurements(self, batch: int) -> None:
@@ -863,6 +896,7 @@ class Controller:
         self._realised.pop(batch, None)
         for k in range(self._k_max + 1):
             self._pace.pop((batch, k), None)
+            self._outside_since.pop((batch, k), None)
         self._probe_interval = self._base_interval
 
     def _caps(self, tokens: dict[str, list[float]], k: int, throughput: float) -> dict[str, int]:

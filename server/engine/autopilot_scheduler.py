@@ -387,5 +387,6 @@ class AutopilotScheduler(Scheduler):
                 # What one plain target step costs a lone request: the draft's price per
                 # position reads as a fraction of it.
                 "plain_step_seconds": self._cost.predict(1, 0) if self._cost.ready else None,
+                "step_spread_by_shape": self._cost.spread(),
             }
         )

@@ -55,6 +55,8 @@ CALIBRATION_PROMPT = (
     "            i += 1\n"
 )
 CALIBRATION_BATCH_PROMPT = "def fibonacci(n):\n    "
+# Cycles of K = 0..Kmax the calibration runs at each of its batch sizes.
+CALIBRATION_CYCLES = 3
 # Fill-in-the-middle tokens (prefix, suffix, middle) as code models spell them; a target
 # whose tokenizer has one of these sets serves `suffix` on /v1/completions.
 FILL_IN_THE_MIDDLE_TOKENS = (
@@ -349,18 +351,26 @@ class VllmEngine:
             async for _ in self._llm.generate(prompt, params(cycles), request_id):
                 pass
 
-        # Each batch size twice, and the cost model keeps each shape's lower sample: one slow
-        # step must not stand for a K the controller may then never try again. On a CPU the
-        # first steps of a new shape run slow (1.5-1.7x at batch 4 on a 2-core AVX2 EPYC, the
-        # kernels warming up); at batch 1 on an AVX-512 one a single sample put K = 2 at 0.40 s,
-        # K = 3 later ran in 0.34-0.37 s, and K = 2 was never tried again.
-        await run(0, lone, cycles=2)
-        await asyncio.gather(*(run(index, batched, cycles=2) for index in range(1, 5)))
+        # Each batch size three cycles, and the cost model reads each shape as the median of
+        # its samples: one slow step (the first steps of a new shape run slow on a CPU, its
+        # kernels warming up) or one lucky one must not stand for a K the controller may then
+        # never try again.
+        await run(0, lone, cycles=CALIBRATION_CYCLES)
+        await asyncio.gather(
+            *(run(index, batched, cycles=CALIBRATION_CYCLES) for index in range(1, 5))
+        )
         assert self._feed is not None
+        state = self._feed.scheduler()
+        spread = state.get("step_spread_by_shape") or {}
+        widest = max(spread, key=spread.__getitem__, default=None)
         logger.info(
-            "speculation autopilot calibrated in %.1f s (cost model ready: %s)",
+            "speculation autopilot calibrated in %.1f s (cost model ready: %s; draft %s s per "
+            "position, plain step %s s; cycles differed by up to %s)",
             time.perf_counter() - started,
-            self._feed.scheduler().get("cost_ready"),
+            state.get("cost_ready"),
+            _rounded(state.get("draft_seconds_per_token")),
+            _rounded(state.get("plain_step_seconds")),
+            f"{spread[widest]:.0%} at {widest} (batch x K)" if widest else "n/a",
         )
 
     def _speculative_config(self, autopilot: bool) -> dict[str, Any] | None:
@@ -640,6 +650,10 @@ def _token_times(stats: Any) -> TokenTimes | None:
         return None
     offset = time.perf_counter() - time.monotonic()
     return TokenTimes(stats.first_token_ts + offset, stats.last_token_ts + offset)
+
+
+def _rounded(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds:.3g}"
 
 
 def _finish_reason(reason: str | None) -> str | None:
