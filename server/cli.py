@@ -31,6 +31,7 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--metrics-port", {"type": int}),
     ("--model", {}),
     ("--draft-model", {}),
+    ("--quantization", {"choices": ["none", "int8"]}),
     ("--draft-quantization", {"choices": ["auto", "none", "int8"]}),
     ("--draft-vocab", {}),
     ("--speculation", {"choices": ["auto", "fixed"]}),
@@ -198,12 +199,14 @@ def _models(settings: Settings, command: str) -> None:
 
     for model in embedded.EMBEDDED_PAIR:
         if command == "pull":
-            folder = embedded.pull(settings.cache_dir, model)
-            if model is embedded.DRAFT:
-                # What serving the draft needs made once: its int8 copy, its head's ranking.
-                from server.engine.resolve import prepare_draft
+            from server.engine.resolve import prepare_draft, prepare_target
 
+            folder = embedded.pull(settings.cache_dir, model)
+            # What serving needs made once: the int8 copies asked for, the draft head's ranking.
+            if model is embedded.DRAFT:
                 prepare_draft(settings, str(folder))
+            else:
+                prepare_target(settings, str(folder))
         else:
             state = "cached" if embedded.is_pulled(settings.cache_dir, model) else "not pulled"
             print(f"{model.name}\t{state}\t{embedded.model_dir(settings.cache_dir, model)}")

@@ -78,6 +78,13 @@ class Settings(BaseSettings):
         description="Draft model folder or hub id. Unset means the embedded "
         "Qwen2.5-Coder-0.5B-Instruct when the target is the embedded one.",
     )
+    quantization: Literal["none", "int8"] = Field(
+        "none",
+        description="int8: run the target from an int8 copy of its linear layers (compressed-"
+        "tensors W8A8 on vLLM's int8 kernels), exported once into the cache folder; needs a "
+        "local target folder (the embedded one is). Its output is close to, not the same as, "
+        "the unquantized target's.",
+    )
     draft_quantization: Literal["auto", "none", "int8"] = Field(
         "auto",
         description="int8: run the draft from an int8 copy of its linear layers (compressed-"

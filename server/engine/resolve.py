@@ -1,8 +1,8 @@
 """Turn Settings into an EngineConfig: which models, checked before loading.
 
-The embedded pair is pulled if it is not cached yet; the draft's int8 copy and the
-ranking of its vocabulary for a trimmed head are made once (`prepare_draft`, which
-`specserve models pull` runs too). Local folders are checked
+The embedded pair is pulled if it is not cached yet; the int8 copies asked for and the
+ranking of the draft's vocabulary for a trimmed head are made once (`prepare_target`,
+`prepare_draft`, which `specserve models pull` runs too). Local folders are checked
 for draft/target compatibility, context length and a KV cache size that cannot
 hold one sequence, and the tool call parser is looked up, so a bad combination
 fails with one clear message instead of an engine traceback.
@@ -101,6 +101,8 @@ def resolve(settings: Settings) -> EngineConfig:
         assert settings.model is not None
         target = settings.model
     target = str(Path(target).expanduser()) if _is_local(target) else target
+    name = settings.served_model_name or Path(target).name
+    target = prepare_target(settings, target)
     plan = None if draft is None else prepare_draft(settings, draft)
     if plan is not None:
         draft = plan.model
@@ -113,7 +115,7 @@ def resolve(settings: Settings) -> EngineConfig:
         _check_kv_cache(settings, [target] if draft is None else [target, draft])
     return EngineConfig(
         model=target,
-        served_model_name=settings.served_model_name or Path(target).name,
+        served_model_name=name,
         draft_model=draft,
         draft_quantization=plan.quantization if plan else None,
         draft_vocab_ranking=plan.vocab_ranking if plan else None,
@@ -134,6 +136,16 @@ def resolve(settings: Settings) -> EngineConfig:
         tool_call_parser=settings.tool_call_parser,
         progress_bars=settings.log_format == "text",
     )
+
+
+def prepare_target(settings: Settings, target: str, report: Callable[[str], None] = print) -> str:
+    """The target's folder as the engine loads it: its int8 copy under `--quantization int8`
+    (made if it is not cached yet), else `target` itself."""
+    if settings.quantization == "none":
+        return target
+    if not _is_local(target):
+        raise ConfigError("--quantization int8 needs --model to be a local folder")
+    return str(int8_export.export(Path(target), settings.cache_dir, report=report))
 
 
 @dataclass(frozen=True)

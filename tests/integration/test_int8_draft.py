@@ -1,6 +1,6 @@
-"""An int8 draft (server/models/int8_export.py) on the real engine: vLLM runs it on its int8
-kernel, the target's greedy output is unchanged, and the quantized copy of the target
-still drafts for it well."""
+"""int8 copies (server/models/int8_export.py) on the real engine: vLLM runs them on its int8
+kernel, an int8 draft leaves the target's greedy output unchanged, the quantized copy of the
+target still drafts for it well, and `--quantization int8` serves the target from its copy."""
 
 import os
 from pathlib import Path
@@ -80,3 +80,46 @@ def test_the_setting_points_the_engine_at_the_int8_copy(tiny: TinyModels, tmp_pa
     remote = settings.model_copy(update={"draft_model": "Qwen/Qwen2.5-Coder-0.5B-Instruct"})
     with pytest.raises(ConfigError, match="needs --draft-model to be a local folder"):
         resolve(remote)
+
+
+def test_quantization_int8_points_the_engine_at_the_targets_copy_under_its_own_name(
+    tiny: TinyModels, tmp_path: Path
+) -> None:
+    settings = Settings(
+        model=str(tiny.target),
+        draft_model=str(tiny.close_draft),
+        quantization="int8",
+        draft_quantization="none",
+        cache_dir=tmp_path,
+    )
+    config = resolve(settings)
+    assert config.model == str(int8_export.int8_dir(tiny.target, tmp_path))
+    assert config.served_model_name == tiny.target.name
+    assert config.draft_model == str(tiny.close_draft)
+    remote = settings.model_copy(update={"model": "Qwen/Qwen2.5-Coder-1.5B-Instruct"})
+    with pytest.raises(ConfigError, match="needs --model to be a local folder"):
+        resolve(remote)
+
+
+async def test_an_int8_target_speculates_losslessly_against_itself(
+    tiny: TinyModels, int8_target: Path
+) -> None:
+    """Speculation keeps the int8 target's own greedy output (its draft unquantized)."""
+    greedy = SamplingOptions(max_tokens=32, temperature=0.0)
+    outputs: dict[bool, list[list[int]]] = {}
+    for speculating in (True, False):
+        config = tiny_engine_config(
+            tiny,
+            tiny.close_draft if speculating else None,
+            model=str(int8_target),
+            served_model_name="tiny-int8-target",
+        )
+        async for server in serve(config):
+            outputs[speculating] = []
+            drafted = 0
+            for i, prompt in enumerate(PROMPTS):
+                (tokens,), stats = await _run(server.engine, f"int8-target-{i}", prompt, greedy)
+                outputs[speculating].append(tokens)
+                drafted += sum(s.draft_tokens for s in stats)
+            assert (drafted > 0) == speculating
+    assert outputs[True] == outputs[False]
