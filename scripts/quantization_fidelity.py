@@ -1,8 +1,8 @@
-"""How far the int8 target (`--quantization int8`) is from the unquantized one, on the
-embedded target, in the dtype the server picks on this machine.
+"""How far the quantized targets (`--quantization int8`, `int4`) are from the unquantized one,
+on the embedded target, in the dtype the server picks on this machine.
 
-Each quantization runs vLLM's own `LLM` on its folder in a process of its own, one after the
-other (the int8 copy is made first if it is not cached):
+Each quantization (--quantizations, and none) runs vLLM's own `LLM` on its folder in a process
+of its own, one after the other (a quantized copy is made first if it is not cached):
 - greedy continuations (--max-tokens) of the bundled coding-chat and prose prompts, through
   the chat template;
 - the log-probability of every token of texts the project ships (README.md as prose,
@@ -10,7 +10,7 @@ other (the int8 copy is made first if it is not cached):
 
 Prints, and writes to <out>/fidelity.md: per workload, the prompts whose continuations are
 identical and the mean tokens before the first difference; per text, the mean log-probability
-per token under each, their difference and the perplexity ratio (int8 over none).
+per token under each, their difference and the perplexity ratio (quantized over none).
 
     .venv/bin/python scripts/quantization_fidelity.py --out /work/fidelity
 """
@@ -36,7 +36,7 @@ from server.models import embedded
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ("coding-chat", "prose")
 TEXTS = {"prose": ROOT / "README.md", "code": ROOT / "server" / "autopilot" / "policy.py"}
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "int4")
 
 
 def _measure(folder: str, max_tokens: int, text_tokens: int) -> dict[str, Any]:
@@ -83,34 +83,41 @@ def _first_difference(a: list[int], b: list[int]) -> int:
 
 
 def _table(results: dict[str, dict[str, Any]], max_tokens: int) -> str:
-    none, int8 = results["none"], results["int8"]
+    none = results["none"]
+    quantized = [q for q in results if q != "none"]
     lines = [
-        f"Greedy continuations of {max_tokens} tokens, int8 against none:",
+        f"Greedy continuations of {max_tokens} tokens, each quantization against none:",
         "",
-        "| workload | prompts identical | mean tokens before the first difference |",
-        "|---|---|---|",
+        "| workload | quantization | prompts identical | mean tokens before the first difference |",
+        "|---|---|---|---|",
     ]
     for workload in WORKLOADS:
-        pairs = list(
-            zip(none["continuations"][workload], int8["continuations"][workload], strict=True)
-        )
-        same = sum(a == b for a, b in pairs)
-        before = sum(_first_difference(a, b) for a, b in pairs) / len(pairs)
-        lines.append(f"| {workload} | {same} of {len(pairs)} | {before:.1f} |")
+        for name in quantized:
+            pairs = list(
+                zip(
+                    none["continuations"][workload],
+                    results[name]["continuations"][workload],
+                    strict=True,
+                )
+            )
+            same = sum(a == b for a, b in pairs)
+            before = sum(_first_difference(a, b) for a, b in pairs) / len(pairs)
+            lines.append(f"| {workload} | {name} | {same} of {len(pairs)} | {before:.1f} |")
     lines += [
         "",
         "Teacher-forced log-probability per token of shipped texts:",
         "",
-        "| text | tokens | none | int8 | int8 - none | perplexity int8 / none |",
-        "|---|---|---|---|---|---|",
+        "| text | tokens | quantization | none | quantized | difference | perplexity ratio |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for name in TEXTS:
-        a, b = none["logprobs"][name], int8["logprobs"][name]
-        mean_a, mean_b = sum(a) / len(a), sum(b) / len(b)
-        lines.append(
-            f"| {name} ({TEXTS[name].relative_to(ROOT)}) | {len(a)} | {mean_a:.4f} | {mean_b:.4f}"
-            f" | {mean_b - mean_a:+.4f} | {math.exp(mean_a - mean_b):.4f} |"
-        )
+    for text in TEXTS:
+        for name in quantized:
+            a, b = none["logprobs"][text], results[name]["logprobs"][text]
+            mean_a, mean_b = sum(a) / len(a), sum(b) / len(b)
+            lines.append(
+                f"| {text} ({TEXTS[text].relative_to(ROOT)}) | {len(a)} | {name} | {mean_a:.4f} "
+                f"| {mean_b:.4f} | {mean_b - mean_a:+.4f} | {math.exp(mean_a - mean_b):.4f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -138,23 +145,27 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("loadtest-results/fidelity"))
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--text-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--quantizations", nargs="+", choices=QUANTIZATIONS[1:], default=QUANTIZATIONS[1:]
+    )
     parser.add_argument("--worker", choices=QUANTIZATIONS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.worker:
         settings = Settings(quantization=args.worker)
         target = embedded.pull(settings.cache_dir, embedded.TARGET)
-        folder = prepare_target(settings, str(target))
-        result = _measure(folder, args.max_tokens, args.text_tokens)
+        plan = prepare_target(settings, str(target))
+        result = _measure(plan.model, args.max_tokens, args.text_tokens)
         (args.out / f"{args.worker}.json").write_text(json.dumps(result))
         return
     (args.out / "lscpu.txt").write_text(subprocess.check_output(["lscpu"], text=True))
-    for quantization in QUANTIZATIONS:
+    measured = ["none", *args.quantizations]
+    for quantization in measured:
         command = [sys.executable, __file__, "--worker", quantization, "--out", str(args.out)]
         command += ["--max-tokens", str(args.max_tokens), "--text-tokens", str(args.text_tokens)]
         print("$", " ".join(command), flush=True)
         _run_worker(command, args.out / f"{quantization}.json")
-    results = {q: json.loads((args.out / f"{q}.json").read_text()) for q in QUANTIZATIONS}
+    results = {q: json.loads((args.out / f"{q}.json").read_text()) for q in measured}
     table = _table(results, args.max_tokens)
     (args.out / "fidelity.md").write_text(table)
     print(table)

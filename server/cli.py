@@ -31,7 +31,7 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--metrics-port", {"type": int}),
     ("--model", {}),
     ("--draft-model", {}),
-    ("--quantization", {"choices": ["none", "int8"]}),
+    ("--quantization", {"choices": ["auto", "none", "int8", "int4", "fp8"]}),
     ("--draft-quantization", {"choices": ["auto", "none", "int8"]}),
     ("--draft-vocab", {}),
     ("--speculation", {"choices": ["auto", "fixed"]}),

@@ -78,12 +78,14 @@ class Settings(BaseSettings):
         description="Draft model folder or hub id. Unset means the embedded "
         "Qwen2.5-Coder-0.5B-Instruct when the target is the embedded one.",
     )
-    quantization: Literal["none", "int8"] = Field(
-        "none",
+    quantization: Literal["auto", "none", "int8", "int4", "fp8"] = Field(
+        "auto",
         description="int8: run the target from an int8 copy of its linear layers (compressed-"
         "tensors W8A8 on vLLM's int8 kernels), exported once into the cache folder; needs a "
         "local target folder (the embedded one is). Its output is close to, not the same as, "
-        "the unquantized target's.",
+        "the unquantized target's (docs/benchmarks.md: perplexity within 1%). fp8: vLLM's "
+        "online fp8, on a GPU only. auto: int8 on a CPU with int8 dot-product units (amx_int8, "
+        "avx512_vnni, avx_vnni) and a local target, the checkpoint's own weights elsewhere.",
     )
     draft_quantization: Literal["auto", "none", "int8"] = Field(
         "auto",

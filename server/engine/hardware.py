@@ -1,14 +1,14 @@
 """What the engine runs in, chosen for the hardware it runs on.
 
-Owns two `auto` decisions. `--dtype`: on a GPU the model's own dtype (vLLM's
+Owns the `auto` decisions. `--dtype`: on a GPU the model's own dtype (vLLM's
 "auto"); on a CPU bfloat16 only where the CPU multiplies bf16 natively
 (`avx512_bf16` or `amx_bf16`), float32 elsewhere, because emulated bf16 is
 slower than float32 (on an AVX2-only CPU prefill is several times slower and
-verifying K+1 draft tokens costs about twice one). `--draft-quantization`: int8
-where the CPU has int8 dot-product units (measured faster there, docs/benchmarks.md),
-vLLM's fp8 on a GPU, none elsewhere (an AVX2-only CPU is unmeasured). A setting the
-user made always wins. Reads the CPU flags from /proc/cpuinfo; imports neither vllm
-nor torch.
+verifying K+1 draft tokens costs about twice one). `--quantization` (the target) and
+`--draft-quantization`: int8 where the CPU has int8 dot-product units (measured faster
+there, docs/benchmarks.md; an AVX2-only CPU is unmeasured); on a GPU the target's own
+weights and vLLM's fp8 for the draft. A setting the user made always wins. Reads the
+CPU flags from /proc/cpuinfo; imports neither vllm nor torch.
 """
 
 from collections.abc import Iterable
@@ -70,11 +70,16 @@ INT8_DOT_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
 
 
 @dataclass(frozen=True)
-class DraftQuantizationChoice:
-    """How the draft's weights are stored and why, for the startup log."""
+class QuantizationChoice:
+    """How a model's weights are stored and why, for the startup log."""
 
-    quantization: Literal["none", "int8", "fp8"]  # fp8: vLLM's online fp8, on a GPU
+    quantization: Literal["none", "int8", "int4", "fp8"]  # fp8: vLLM's own, on a GPU
     reason: str
+
+
+def _int8_dot_flag(cpu_flags: Iterable[str] | None) -> str | None:
+    flags = read_cpu_flags() if cpu_flags is None else frozenset(cpu_flags)
+    return next((flag for flag in INT8_DOT_FLAGS if flags is not None and flag in flags), None)
 
 
 def choose_draft_quantization(
@@ -83,18 +88,45 @@ def choose_draft_quantization(
     on_gpu: bool,
     local_draft: bool,
     cpu_flags: Iterable[str] | None = None,
-) -> DraftQuantizationChoice:
+) -> QuantizationChoice:
     """Resolve `--draft-quantization`; `cpu_flags` None reads /proc/cpuinfo."""
     if requested != "auto":
-        return DraftQuantizationChoice(requested, "set by --draft-quantization")
+        return QuantizationChoice(requested, "set by --draft-quantization")
     if on_gpu:
-        return DraftQuantizationChoice("fp8", "GPU: vLLM's online fp8 for the draft (untested)")
+        return QuantizationChoice("fp8", "GPU: vLLM's online fp8 for the draft (untested)")
     if not local_draft:
-        return DraftQuantizationChoice("none", "the draft is not a local folder to export from")
-    flags = read_cpu_flags() if cpu_flags is None else frozenset(cpu_flags)
-    for flag in INT8_DOT_FLAGS:
-        if flags is not None and flag in flags:
-            return DraftQuantizationChoice("int8", f"CPU has {flag}: int8 dot products")
-    return DraftQuantizationChoice(
+        return QuantizationChoice("none", "the draft is not a local folder to export from")
+    flag = _int8_dot_flag(cpu_flags)
+    if flag is not None:
+        return QuantizationChoice("int8", f"CPU has {flag}: int8 dot products")
+    return QuantizationChoice(
+        "none", "CPU lacks int8 dot-product units (amx_int8, avx512_vnni, avx_vnni)"
+    )
+
+
+def choose_target_quantization(
+    requested: Literal["auto", "none", "int8", "int4", "fp8"],
+    *,
+    on_gpu: bool,
+    local_target: bool,
+    cpu_flags: Iterable[str] | None = None,
+) -> QuantizationChoice:
+    """Resolve `--quantization`; `cpu_flags` None reads /proc/cpuinfo.
+
+    The target's output is what users get, so `auto` quantizes it only where it was
+    measured within the fidelity bound (perplexity within 2% of the unquantized target's
+    on the shipped texts) and faster: int8 on a CPU with int8 dot products. On a GPU the
+    checkpoint's own weights load as they are (vLLM applies a quantization_config they
+    carry)."""
+    if requested != "auto":
+        return QuantizationChoice(requested, "set by --quantization")
+    if on_gpu:
+        return QuantizationChoice("none", "GPU: the checkpoint's own weights")
+    if not local_target:
+        return QuantizationChoice("none", "the target is not a local folder to export from")
+    flag = _int8_dot_flag(cpu_flags)
+    if flag is not None:
+        return QuantizationChoice("int8", f"CPU has {flag}: int8 dot products")
+    return QuantizationChoice(
         "none", "CPU lacks int8 dot-product units (amx_int8, avx512_vnni, avx_vnni)"
     )

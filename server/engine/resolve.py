@@ -18,10 +18,14 @@ from pathlib import Path
 
 from server.config import AUTO_DRAFT_VOCAB, ConfigError, Settings
 from server.engine.compat import check_draft_compatible, check_max_model_len, kv_cache_gib_for
-from server.engine.hardware import choose_draft_quantization, choose_dtype
+from server.engine.hardware import (
+    choose_draft_quantization,
+    choose_dtype,
+    choose_target_quantization,
+)
 from server.engine.tool_calls import parser_class
 from server.engine.vllm_engine import EngineConfig, gpu_count, has_gpu
-from server.models import draft_vocab, embedded, int8_export
+from server.models import draft_vocab, embedded, quantized_export
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +106,8 @@ def resolve(settings: Settings) -> EngineConfig:
         target = settings.model
     target = str(Path(target).expanduser()) if _is_local(target) else target
     name = settings.served_model_name or Path(target).name
-    target = prepare_target(settings, target)
+    target_plan = prepare_target(settings, target)
+    target = target_plan.model
     plan = None if draft is None else prepare_draft(settings, draft)
     if plan is not None:
         draft = plan.model
@@ -115,6 +120,7 @@ def resolve(settings: Settings) -> EngineConfig:
         _check_kv_cache(settings, [target] if draft is None else [target, draft])
     return EngineConfig(
         model=target,
+        quantization=target_plan.quantization,
         served_model_name=name,
         draft_model=draft,
         draft_quantization=plan.quantization if plan else None,
@@ -138,14 +144,42 @@ def resolve(settings: Settings) -> EngineConfig:
     )
 
 
-def prepare_target(settings: Settings, target: str, report: Callable[[str], None] = print) -> str:
-    """The target's folder as the engine loads it: its int8 copy under `--quantization int8`
-    (made if it is not cached yet), else `target` itself."""
-    if settings.quantization == "none":
-        return target
-    if not _is_local(target):
-        raise ConfigError("--quantization int8 needs --model to be a local folder")
-    return str(int8_export.export(Path(target), settings.cache_dir, report=report))
+@dataclass(frozen=True)
+class TargetPlan:
+    """The target as the engine loads it: its folder (the int8 or int4 copy where chosen), the
+    quantization vLLM applies itself (fp8 on a GPU)."""
+
+    model: str
+    quantization: str | None
+
+
+def prepare_target(
+    settings: Settings, target: str, report: Callable[[str], None] = print
+) -> TargetPlan:
+    """Resolve `--quantization` for `target`, making its quantized copy if it is not cached."""
+    local = _is_local(target)
+    on_gpu = has_gpu()
+    choice = choose_target_quantization(settings.quantization, on_gpu=on_gpu, local_target=local)
+    logger.info("target quantization %s: %s", choice.quantization, choice.reason)
+    if choice.quantization == "fp8":
+        if not on_gpu:
+            raise ConfigError("--quantization fp8 needs a GPU; on a CPU use int8 or int4")
+        return TargetPlan(model=target, quantization="fp8")
+    if choice.quantization == "none":
+        return TargetPlan(model=target, quantization=None)
+    dtype = choose_dtype(settings.dtype, on_gpu=on_gpu)
+    if choice.quantization == "int4" and not on_gpu and dtype.dtype == "float32":
+        raise ConfigError(
+            "--quantization int4 needs bfloat16 on a CPU (vLLM's CPU int4 kernel has no "
+            f"float32 path), and the dtype is float32 ({dtype.reason}): use int8, or "
+            "--dtype bfloat16"
+        )
+    if not local:
+        raise ConfigError(
+            f"--quantization {choice.quantization} needs --model to be a local folder"
+        )
+    folder = quantized_export.export(Path(target), settings.cache_dir, choice.quantization, report)
+    return TargetPlan(model=str(folder), quantization=None)
 
 
 @dataclass(frozen=True)
@@ -175,7 +209,7 @@ def prepare_draft(
         raise ConfigError("--draft-quantization int8 needs --draft-model to be a local folder")
     model = draft
     if choice.quantization == "int8":
-        model = str(int8_export.export(source, settings.cache_dir, report=report))
+        model = str(quantized_export.export(source, settings.cache_dir, "int8", report))
     size = _draft_vocab_size(settings.draft_vocab, source if local else None, on_gpu)
     ranking = None if size is None else draft_vocab.ranking(source, settings.cache_dir, report)
     return DraftPlan(

@@ -90,6 +90,7 @@ class EngineConfig:
     speculation_trace: Path | None = None  # one JSON line per engine step here
     # Tests only: K forced per engine step ("0x4,3x4,1": K for so many steps, cycled).
     speculation_script: str | None = None
+    quantization: str | None = None  # what vLLM quantizes the target to itself (fp8)
     draft_quantization: str | None = None  # what vLLM quantizes the draft to itself (fp8)
     # The trimmed draft head (draft_head.py): the ranking file and how many ids it keeps.
     draft_vocab_ranking: Path | None = None
@@ -207,6 +208,7 @@ class VllmEngine:
                 backend="guidance", disable_any_whitespace=True
             ),
             model=config.model,
+            quantization=config.quantization,  # type: ignore[arg-type]  # vLLM's names
             served_model_name=config.served_model_name,
             dtype=choice.dtype,
             seed=config.seed,

