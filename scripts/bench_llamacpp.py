@@ -8,8 +8,8 @@ Both stay up while each specserve configuration (--specserve; default: its defau
 turn: for each workload and concurrency, `python -m loadtest compare` runs it against each
 llama-server in alternating rounds (ABBA), greedy, streamed.
 
-Writes every results.json under <out>, the commands to commands.txt, lscpu.txt, the server
-logs, and <out>/llamacpp.md: tokens/s and TTFT p50 of each, and each specserve configuration's
+Writes every results.json under <out>, the commands (and each server's RSS after its runs) to
+commands.txt, lscpu.txt, the server logs, and <out>/llamacpp.md: tokens/s and TTFT p50 of each, and each specserve configuration's
 paired ratio to each llama-server (95% interval).
 
     scripts/build_llama_server.sh .venv/llama.cpp
@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 from bench_loadtest import _loadtest, _start, _stop
 
 from loadtest.report import fmt, paired
@@ -58,10 +59,12 @@ def table(out: Path) -> str:
     lines = [
         "| workload | concurrency | specserve | tok/s | llama-server-draft tok/s | "
         "llama-server tok/s | / llama-server-draft | / llama-server | "
-        "TTFT p50 ms: specserve / -draft / target only |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "TTFT p50 ms: specserve / -draft / target only | specserve acceptance |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     cells: dict[tuple[str, int, str], dict[str, dict]] = {}
+    # specserve's drafted and accepted tokens, pooled over its two comparisons of a cell.
+    spec: dict[tuple[str, int, str], list[float]] = {}
     for path in sorted(out.glob("*/results.json")):
         data = json.loads(path.read_text())
         ours, other = data["servers"]
@@ -69,14 +72,20 @@ def table(out: Path) -> str:
         cell = cells.setdefault(key, {})
         cell[other] = data["servers"][other]["summary"] | {"ratio": data["paired_speedup"]}
         cell[ours] = data["servers"][ours]["summary"]
+        counts = data["servers"][ours].get("speculation") or {}
+        pooled = spec.setdefault(key, [0.0, 0.0])
+        pooled[0] += counts.get("accepted_tokens", 0.0)
+        pooled[1] += counts.get("draft_tokens", 0.0)
     for (workload, level, ours), cell in sorted(cells.items()):
         mine, drafted, plain = (cell.get(k, {}) for k in (ours, *LABELS.values()))
         throughput = [fmt(s.get("output_throughput")) for s in (mine, drafted, plain)]
         ttft = [fmt(s.get("ttft_ms", {}).get("p50"), 0) for s in (mine, drafted, plain)]
         ratios = [paired(s["ratio"]) if "ratio" in s else "-" for s in (drafted, plain)]
+        accepted, drafted_tokens = spec[(workload, level, ours)]
+        acceptance = fmt(accepted / drafted_tokens) if drafted_tokens else "-"
         lines.append(
             f"| {workload} | {level} | {ours} | {' | '.join(throughput)} | {' | '.join(ratios)} "
-            f"| {' / '.join(ttft)} |"
+            f"| {' / '.join(ttft)} | {acceptance} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -141,11 +150,24 @@ def _run(args: argparse.Namespace) -> None:
             specserve = _launch(label, command + flags.split(), SPECSERVE_PORT, args.out)
             try:
                 _compare_all(args, label)
+                _record_rss(label, specserve, args.out)
             finally:
                 _stop(specserve)
+        for (name, _, _), process in zip(llama_servers, started, strict=True):
+            _record_rss(name, process, args.out)
     finally:
         for process in reversed(started):
             _stop(process)
+
+
+def _record_rss(name: str, process: subprocess.Popen[bytes], out: Path) -> None:
+    """Resident memory of the server's whole process tree after its runs, to commands.txt."""
+    root = psutil.Process(process.pid)
+    rss = root.memory_info().rss + sum(
+        child.memory_info().rss for child in root.children(recursive=True)
+    )
+    with (out / "commands.txt").open("a") as commands:
+        commands.write(f"# {name} RSS after its runs: {rss / 2**30:.2f} GiB (process tree)\n")
 
 
 def _launch(name: str, command: list[str], port: int, out: Path) -> subprocess.Popen[bytes]:

