@@ -9,8 +9,8 @@ turn: for each workload and concurrency, `python -m loadtest compare` runs it ag
 llama-server in alternating rounds (ABBA), greedy, streamed.
 
 Writes every results.json under <out>, the commands (and each server's RSS after its runs) to
-commands.txt, lscpu.txt, the server logs, and <out>/llamacpp.md: tokens/s and TTFT p50 of each, and each specserve configuration's
-paired ratio to each llama-server (95% interval).
+commands.txt, lscpu.txt, the server logs, and <out>/llamacpp.md: tokens/s and TTFT p50 of each,
+and each specserve configuration's paired ratio to each llama-server (95% interval).
 
     scripts/build_llama_server.sh .venv/llama.cpp
     .venv/bin/python scripts/bench_llamacpp.py --out /work/llamacpp-bench

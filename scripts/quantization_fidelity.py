@@ -30,7 +30,7 @@ from loadtest.workloads import BUNDLED
 from server.config import Settings
 from server.engine.hardware import choose_dtype
 from server.engine.resolve import prepare_target
-from server.engine.vllm_engine import configure_cpu_runtime
+from server.engine.runtime import configure_cpu_runtime
 from server.models import embedded
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -33,15 +33,9 @@ from typing import Any, TextIO
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from server.autopilot.policy import (
-    AcceptanceTracker,
-    Controller,
-    CostModel,
-    Decision,
-    RequestState,
-    StepRecord,
-    expected_tokens_per_step,
-)
+from server.autopilot.acceptance import AcceptanceTracker, expected_tokens_per_step
+from server.autopilot.cost_model import CostModel, StepRecord
+from server.autopilot.policy import Controller, Decision, RequestState
 from server.engine import vllm_patches
 from server.engine.autopilot_report import Reporter
 

