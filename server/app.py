@@ -24,8 +24,8 @@ from server.api.auth import ApiKeyMiddleware
 from server.api.body_limit import BodyLimitsMiddleware
 from server.api.instrumentation import RequestMetricsMiddleware
 from server.api.metrics import MetricsPortMiddleware
+from server.api.replies import CLIENT_CLOSED_REQUEST, error_response
 from server.api.request_id import RequestIdMiddleware
-from server.api.responses import CLIENT_CLOSED_REQUEST
 from server.auth import ApiKeys
 from server.config import (
     DEFAULT_BODY_READ_TIMEOUT_SECONDS,
@@ -152,16 +152,16 @@ def create_app(
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.to_response()
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).to_response()
+        return error_response(_validation_error(exc))
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
         if exc.status_code == 404:
-            return NotFoundError(str(exc.detail)).to_response()
+            return error_response(NotFoundError(str(exc.detail)))
         # Starlette's 405 lists the allowed methods in `Allow`; keep it.
         error = InvalidRequestError(str(exc.detail))
         return JSONResponse(error.to_body(), status_code=exc.status_code, headers=exc.headers)
@@ -169,6 +169,6 @@ def create_app(
     # Starlette re-raises after this handler, so uvicorn logs the traceback.
     @app.exception_handler(Exception)
     async def unexpected_error(_: Request, exc: Exception) -> JSONResponse:
-        return InternalError("internal server error").to_response()
+        return error_response(InternalError("internal server error"))
 
     return app

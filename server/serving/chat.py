@@ -31,7 +31,6 @@ from server.protocol.chat import (
 )
 from server.protocol.common import draft_cap
 from server.serving.common import (
-    TextEvents,
     check_model,
     generate_all,
     json_format,
@@ -40,9 +39,12 @@ from server.serving.common import (
     now,
     resolve_max_tokens,
     speculation_summary,
-    sse,
     usage,
     validate_all,
+)
+from server.serving.sse import (
+    TextEvents,
+    sse,
 )
 from server.serving.tools import (
     Function,

@@ -20,7 +20,6 @@ from server.protocol.completions import (
     CompletionResponse,
 )
 from server.serving.common import (
-    TextEvents,
     check_model,
     generate_all,
     json_format,
@@ -29,9 +28,12 @@ from server.serving.common import (
     now,
     resolve_max_tokens,
     speculation_summary,
-    sse,
     usage,
     validate_all,
+)
+from server.serving.sse import (
+    TextEvents,
+    sse,
 )
 
 ENDPOINT = "/v1/completions"

@@ -47,8 +47,10 @@ from server.serving.common import (
     now,
     resolve_max_tokens,
     speculation_summary,
-    sse_stream,
     validate_all,
+)
+from server.serving.sse import (
+    sse_stream,
 )
 from server.serving.tools import (
     Function,
