@@ -30,7 +30,7 @@ from bench_loadtest import _loadtest, _start, _stop
 
 from loadtest.report import fmt, paired
 from server.config import DEFAULT_CACHE_DIR
-from server.models.embedded import DRAFT, TARGET, EmbeddedModel, fetch_gguf
+from server.weights.embedded import DRAFT, TARGET, EmbeddedModel, fetch_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECSERVE_PORT, DRAFTED_PORT, TARGET_ONLY_PORT = 8331, 8332, 8333

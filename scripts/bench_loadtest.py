@@ -41,7 +41,7 @@ from loadtest.analysis import ratio
 from loadtest.report import paired
 from loadtest.workloads import BUNDLED
 from server.config import DEFAULT_CACHE_DIR
-from server.models.embedded import TARGET, model_dir
+from server.weights.embedded import TARGET, model_dir
 
 
 def _start(

@@ -31,7 +31,7 @@ from server.config import Settings
 from server.engine.hardware import choose_dtype
 from server.engine.resolve import prepare_target
 from server.engine.runtime import configure_cpu_runtime
-from server.models import embedded
+from server.weights import embedded
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ("coding-chat", "prose")

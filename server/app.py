@@ -17,7 +17,6 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from server import metrics as server_metrics
-from server.admission import AdmissionController
 from server.api import chat, completions, create_response, health, metrics, models
 from server.api.admission import AdmissionMiddleware
 from server.api.auth import ApiKeyMiddleware
@@ -26,7 +25,6 @@ from server.api.instrumentation import RequestMetricsMiddleware
 from server.api.metrics import MetricsPortMiddleware
 from server.api.replies import CLIENT_CLOSED_REQUEST, error_response
 from server.api.request_id import RequestIdMiddleware
-from server.auth import ApiKeys
 from server.config import (
     DEFAULT_BODY_READ_TIMEOUT_SECONDS,
     DEFAULT_MAX_BODY_BYTES,
@@ -43,9 +41,11 @@ from server.errors import (
     NotFoundError,
     error_statuses,
 )
-from server.lifecycle import Lifecycle
-from server.rate_limit import RateLimiter, TenantRateLimiter
-from server.rate_limit_redis import RedisRateLimiter
+from server.traffic.admission_queue import AdmissionController
+from server.traffic.api_keys import ApiKeys
+from server.traffic.lifecycle import Lifecycle
+from server.traffic.rate_limit import RateLimiter, TenantRateLimiter
+from server.traffic.rate_limit_redis import RedisRateLimiter
 
 
 def _validation_error(exc: RequestValidationError) -> InvalidRequestError:

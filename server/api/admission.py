@@ -18,14 +18,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.admission import AdmissionController
 from server.api.auth import tenant
 from server.api.context import context_of, request_context
 from server.api.replies import CLIENT_CLOSED_REQUEST, error_response
 from server.errors import APIError, ShuttingDownError
-from server.lifecycle import Lifecycle
 from server.metrics import GENERATION_ENDPOINTS, REFUSED, RequestObserver
-from server.rate_limit import TenantRateLimiter
+from server.traffic.admission_queue import AdmissionController
+from server.traffic.lifecycle import Lifecycle
+from server.traffic.rate_limit import TenantRateLimiter
 
 # Long enough for a load balancer to stop sending us traffic.
 _DRAINING_RETRY_AFTER_SECONDS = "5"

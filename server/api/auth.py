@@ -12,9 +12,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.api.context import context_of, request_context
 from server.api.replies import error_response
-from server.auth import ApiKeys
 from server.errors import AuthenticationError
 from server.metrics import ANONYMOUS_TENANT
+from server.traffic.api_keys import ApiKeys
 
 # FastAPI's interactive documentation and the schema it reads.
 DOCS_PATHS = {"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}

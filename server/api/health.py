@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from server.api.deps import EngineDep
 from server.api.replies import error_responses
 from server.errors import EngineUnavailableError, ShuttingDownError
-from server.lifecycle import Lifecycle
+from server.traffic.lifecycle import Lifecycle
 
 router = APIRouter()
 

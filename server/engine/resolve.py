@@ -26,7 +26,7 @@ from server.engine.hardware import (
 from server.engine.runtime import gpu_count, has_gpu
 from server.engine.tool_calls import parser_class
 from server.engine.vllm_engine import EngineConfig
-from server.models import draft_vocab, embedded, quantized_export
+from server.weights import draft_vocab, embedded, quantized_export
 
 logger = logging.getLogger(__name__)
 
