@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from server.autopilot.idle import IdleReason
 from server.engine.base import EngineInfo, EngineOutput, SpeculationStats
 
 ANONYMOUS_TENANT = "anonymous"
@@ -143,19 +144,6 @@ ENGINE_DTYPE = Gauge(
 )  # fmt: skip
 
 
-# Why the draft idles at a K=0 step (the autopilot's reasons, fixed mode's cut-off, a
-# request with logit_bias in the step, which must not get drafts, and requests that all
-# asked for none with speculation.max_draft_tokens 0).
-IDLE_REASONS = (
-    "not_paying",
-    "batch_too_large",
-    "too_short",
-    "prefill",
-    "calibrating",
-    "disabled",
-    "logit_bias",
-    "requested_off",
-)
 SPECULATION_K_IN_FORCE = Gauge(
     "specserve_speculation_k_in_force",
     "K the draft proposed at the last engine step (0: the draft idled)",
@@ -166,7 +154,7 @@ SPECULATION_STEPS = Counter(
 )
 SPECULATION_IDLE_STEPS = Counter(
     "specserve_speculation_idle_steps_total",
-    "Engine steps with K=0, by why (IDLE_REASONS)",
+    "Engine steps with K=0, by why (autopilot/idle.py)",
     ["model", "reason"],
 )  # fmt: skip
 SPECULATION_PREDICTED_SPEEDUP = Gauge(
@@ -236,7 +224,7 @@ def describe_server(
     if info.speculation is not None:
         for steps_k in range(k + 1):
             SPECULATION_STEPS.labels(model, str(steps_k))
-        for reason in IDLE_REASONS:
+        for reason in IdleReason:
             SPECULATION_IDLE_STEPS.labels(model, reason)
         DRAFT_FORWARD_PASSES.labels(model)
         DRAFT_CAUGHT_UP_TOKENS.labels(model)

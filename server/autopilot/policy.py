@@ -12,10 +12,11 @@ the vLLM glue (server/engine/autopilot_scheduler.py) feeds it measurements and a
 
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from server.autopilot.acceptance import AcceptanceTracker, capped_tokens, tokens_by_k
 from server.autopilot.cost_model import MIN_STEP_SECONDS, SHAPE_SAMPLES, CostModel
+from server.autopilot.idle import IdleReason
 
 # Weight of each request of a steady speculating step in the realised fraction of predicted
 # speedups at its batch size (a step of one request: half-life ~14 steps; of eight, under 2 steps,
@@ -120,13 +121,11 @@ class Decision:
     """What the scheduler applies for one step."""
 
     k: int  # K for this step (what the draft proposes)
-    per_request_k: dict[str, int]  # each request's cap on drafts it verifies next step (<= k)
-    # None if k > 0, else not_paying, batch_too_large, too_short, prefill, disabled, calibrating, or
-    # logit_bias (set by the scheduler: a biased request must get no drafts) or requested_off
-    # (set by the scheduler: every request of the step asked for none)
-    reason: str | None
-    predicted_speedup: float  # predicted tokens/s at k over tokens/s at k=0 (1.0 when unknown)
-    probing: bool  # this k is a probe (or calibration), not the optimum
+    # Each request's cap on drafts it verifies next step (<= k); a request not named has k.
+    per_request_k: dict[str, int] = field(default_factory=dict)
+    reason: IdleReason | None = None  # why k is 0 (None when k > 0)
+    predicted_speedup: float = 1.0  # predicted tokens/s at k over tokens/s at k=0 (1.0: unknown)
+    probing: bool = False  # this k is a probe (or calibration), not the optimum
 
 
 class Controller:
@@ -199,9 +198,11 @@ class Controller:
         """K for the next step of these requests (request id -> what the scheduler knows)."""
         request_ids = list(requests)
         if self._k_max == 0:
-            return Decision(0, dict.fromkeys(request_ids, 0), "disabled", 1.0, False)
+            return Decision(
+                k=0, per_request_k=dict.fromkeys(request_ids, 0), reason=IdleReason.DISABLED
+            )
         if not request_ids:
-            return Decision(0, {}, "not_paying", 1.0, False)  # nothing to decode
+            return Decision(k=0, reason=IdleReason.NOT_PAYING)  # nothing to decode
         if not self._cost.ready:
             return self._calibrate(request_ids)
         batch = len(request_ids)
@@ -216,7 +217,9 @@ class Controller:
             # together lately, the prefill step drafts: idle there, the draft catches up on the
             # whole prompt in the next step, which then verifies nothing (on a 2-core CPU, one
             # code request of 32 tokens spent 15% of its time on that step).
-            return Decision(0, dict.fromkeys(request_ids, 0), "prefill", 1.0, False)
+            return Decision(
+                k=0, per_request_k=dict.fromkeys(request_ids, 0), reason=IdleReason.PREFILL
+            )
         if self._pace_changed(batch):
             self._forget_measurements(batch)
         catch_up = self._cost.catch_up_seconds(sum(state.behind for state in requests.values()))
@@ -247,28 +250,39 @@ class Controller:
         paying = expected >= 1.0 + self._min_gain
         if paying and self._needs_plain_steps(batch):
             # What speculation is measured against at this batch size: measure it now.
-            return Decision(0, dict.fromkeys(request_ids, 0), "calibrating", 1.0, False)
+            return Decision(
+                k=0, per_request_k=dict.fromkeys(request_ids, 0), reason=IdleReason.CALIBRATING
+            )
         speedup_measured = self.end_to_end_speedup(batch)
         paying = paying and (speedup_measured is None or speedup_measured >= 1.0)
         if paying and _pays_back(catch_up, left, throughput[0], throughput[0] * expected):
             self._off_steps, self._off_seconds = 0, 0.0
             self._probe_interval = self._base_interval
-            return Decision(best, self._caps(tokens, best, throughput[best]), None, speedup, False)
+            return Decision(
+                k=best,
+                per_request_k=self._caps(tokens, best, throughput[best]),
+                predicted_speedup=speedup,
+            )
         self._off_steps += 1
         self._off_seconds += self._cost.predict(batch, 0)
         if batch in self._realised:
             self._realised[batch] += _REALISED_RECOVERY * (1.0 - self._realised[batch])
         if paying:
-            reason = "too_short"
+            reason = IdleReason.TOO_SHORT
         elif batch > 1 and self._pays_alone(total, arrivals, batch):
-            reason = "batch_too_large"
+            reason = IdleReason.BATCH_TOO_LARGE
         else:
-            reason = "not_paying"
+            reason = IdleReason.NOT_PAYING
         if self._probe_due(reason, requests, catch_up, left, throughput[0]):
             self._off_steps, self._off_seconds = 0, 0.0
             self._probe_interval = min(2 * self._probe_interval, self._max_interval)
-            return Decision(best, dict.fromkeys(request_ids, best), None, speedup, True)
-        return Decision(0, dict.fromkeys(request_ids, 0), reason, 1.0, False)
+            return Decision(
+                k=best,
+                per_request_k=dict.fromkeys(request_ids, best),
+                predicted_speedup=speedup,
+                probing=True,
+            )
+        return Decision(k=0, per_request_k=dict.fromkeys(request_ids, 0), reason=reason)
 
     def realised(self, predicted: float, measured: float, batch: int) -> None:
         """One steady speculating step of `batch` requests (the K it verified is the K it
@@ -349,11 +363,11 @@ class Controller:
         left: float,
         baseline: float,
     ) -> bool:
-        if reason == "too_short":
+        if reason is IdleReason.TOO_SHORT:
             return False  # acceptance is known to pay; the tokens left are what is short
         if catch_up > _PROBE_CATCH_UP_BUDGET * self._off_seconds:
             return False
-        if reason == "batch_too_large":
+        if reason is IdleReason.BATCH_TOO_LARGE:
             # Acceptance is not in doubt (it would pay alone) and a probe at this batch is the
             # costliest kind (every request's draft catches up, every request verifies): only
             # the longest interval's, against a stale cost estimate.
@@ -428,7 +442,12 @@ class Controller:
         # sample); the change between them varies V apart from P, which separates their costs.
         k = (self._calibration_steps // 2) % (self._k_max + 1)
         self._calibration_steps += 1
-        return Decision(k, dict.fromkeys(request_ids, k), None if k else "calibrating", 1.0, True)
+        return Decision(
+            k=k,
+            per_request_k=dict.fromkeys(request_ids, k),
+            reason=None if k else IdleReason.CALIBRATING,
+            probing=True,
+        )
 
     def _pace_changed(self, batch: int) -> bool:
         """Whether a settled shape at this batch size (at any K: the one that runs is the one

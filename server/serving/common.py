@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import aclosing
 from types import MappingProxyType
 
+from server.autopilot.idle import IdleReason
 from server.engine.base import Engine, EngineOutput, GenerationRequest, JsonFormat
 from server.errors import (
     ContextLengthExceededError,
@@ -263,7 +264,7 @@ def speculation_summary(
     """
     config = engine.info().speculation
     if config is None:
-        return SpeculationSummary(applied=False, reason="disabled")
+        return SpeculationSummary(applied=False, reason=IdleReason.DISABLED)
     stats = observer.speculation
     drafts = sum(s.drafts for s in stats)
     draft_tokens = sum(s.draft_tokens for s in stats)
@@ -289,8 +290,8 @@ def speculation_summary(
         steps_by_k={str(k): n for k, n in sorted(steps_by_k.items())},
     )
     if not drafts and max_draft_tokens == 0:
-        summary.reason = "requested_off"  # whatever its neighbours' steps did
+        summary.reason = IdleReason.REQUESTED_OFF  # whatever its neighbours' steps did
     elif not drafts:
         reasons = Counter(s.idle_reason for s in stats if s.idle_reason is not None)
-        summary.reason = reasons.most_common(1)[0][0] if reasons else "too_short"
+        summary.reason = reasons.most_common(1)[0][0] if reasons else IdleReason.TOO_SHORT
     return summary
