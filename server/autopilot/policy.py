@@ -29,10 +29,9 @@ _REALISED_MAX_WEIGHT = 0.5
 _REALISED_RECOVERY = 0.002
 # End to end at one batch size: output tokens over seconds of every step while it speculates
 # (catch-ups, K changes and the draft's work in prefill steps included) against the same while
-# it does not: the one measure that sees everything speculation costs. On a 2-core CPU, code at
-# four requests realised 0.95 of its steady steps' predictions and ran 0.95x of K = 0 overall;
-# the rest went in steps the model does not see as it runs them. Where speculation measures
-# slower than K = 0, it stops at that batch size.
+# it does not: the one measure that sees everything speculation costs, steps the cost model does
+# not see as it runs them included. Where speculation measures slower than K = 0, it stops at
+# that batch size.
 # - Prefill steps count on both sides less what the target's prefill costs (learnt from plain
 #   prefill steps), so that a side measured over more prefills does not read slower for it.
 # - The speculating side forgets at _SPECULATING_DECAY per step of its own (about the last 50)
@@ -52,19 +51,15 @@ _PREFILL_LEARNING = 0.1  # weight of each plain prefill step in the target's pre
 # samples as a full set, what was measured at that batch size describes another machine (a
 # neighbour on the cores came or went): its shapes, its end-to-end sides and its realised
 # fraction are forgotten and measured again as traffic runs, and probes restart from the
-# shortest interval. Otherwise steps measured beside a neighbour that slowed the draft more than
-# the target (a compile on the same two cores) kept K at 0, or at a K too small, for hundreds of
-# steps after it left. A quiet machine moves as much, but not for as long: on a 2-core CPU, over
-# six code requests, a K = 4 shape's low median moved by 0.85-1.33x and the plain step's by
-# 0.99-1.06x, and a band of 1.1 for any one excursion sent 23% of the steps to measuring again.
-# Steps with drafts vary more with the draft's work than plain steps: they have a wider band.
+# shortest interval; otherwise what a neighbour slowed (the draft more than the target) keeps K
+# too small for hundreds of steps after it left. A quiet machine moves as much, but not for as
+# long, and steps with drafts vary more with the draft's work: they have a wider band.
 _PACE_CHANGE = 1.1
 _DRAFTING_PACE_CHANGE = 1.25
 # A probe's catch-up is paid from this share of the time spent at K = 0 since the last probe
-# (or since speculation stopped). The draft catches up on every request's whole context: on a
-# 2-core CPU, two 80-token prose contexts took ~2.5 s, seven plain steps, and rounds of prose at
-# two requests with probes 16-64 steps apart ran at 0.89-0.95x of K = 0. At 2%, probes cost at
-# most 2% of the time speculation is off, at the price of a later probe (there, ~2 minutes).
+# (or since speculation stopped): the draft catches up on every request's whole context, which
+# can cost several plain steps. Probes then cost at most this share of the time speculation is
+# off, at the price of a later probe.
 _PROBE_CATCH_UP_BUDGET = 0.02
 # Steps whose batch sizes say whether requests have lately run together: a step of prefills
 # only drafts if none of them had more requests than it (see Controller.choose).
