@@ -126,16 +126,12 @@ class Decision:
 class Controller:
     """Each step, the K in 0..k_max with the most predicted output tokens per second.
 
-    K > 0 only when it beats K = 0 by min_gain, a margin for the noise in the estimates: what
-    steady predictions miss is measured and taken off before it (the realised fraction and the
-    end-to-end check below); at 10% the margin discounted that a second time, and on a 2-core
-    CPU prose at one request speculated in 17% of steps where fixed K = 2 ran 1.23x as fast
-    as K = 0. The predicted speedup is first scaled by the fraction
-    of it that steady speculating steps at the same batch size have realised (see realised(),
-    at most 1): choosing the requests whose acceptance estimate is high picks some that are
-    high by chance, and the model's step times can be off, so on prose at one request the model
-    predicted 1.1-1.2x where the steps realised ~0.9 of it, and at eight code requests it
-    predicted a gain for whole rounds of steps that ran 0.69-0.96x as fast as K = 0. And only
+    K > 0 only when it beats K = 0 by min_gain, a margin for the noise in the estimates (what
+    steady predictions miss is measured and taken off before it: a larger margin would discount
+    it twice). The predicted speedup is first scaled by the fraction of it that steady
+    speculating steps at the same batch size have realised (see realised(), at most 1):
+    choosing the requests whose acceptance estimate is high picks some that are high by chance,
+    and the model's step times can be off. And only
     when what it saves over the requests' remaining tokens pays for the draft catching up on
     the positions it missed while idle (its share of a new prompt included): a short request
     does not pay back a long prompt's catch-up ("too_short"). Tokens per second at K > 0 count
