@@ -41,6 +41,7 @@ from server.errors import (
     NotFoundError,
     error_statuses,
 )
+from server.serving import observer
 from server.traffic.admission_queue import AdmissionController
 from server.traffic.api_keys import ApiKeys
 from server.traffic.lifecycle import Lifecycle
@@ -104,7 +105,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         lifecycle.loaded = True
-        server_metrics.describe_server(
+        observer.describe_server(
             engine.info(), baseline_tpot_seconds, [*error_statuses(), CLIENT_CLOSED_REQUEST]
         )
         server_metrics.track_engine_requests(engine.unfinished_requests)

@@ -22,7 +22,8 @@ from server.api.auth import tenant
 from server.api.context import context_of, request_context
 from server.api.replies import CLIENT_CLOSED_REQUEST, error_response
 from server.errors import APIError, ShuttingDownError
-from server.metrics import GENERATION_ENDPOINTS, REFUSED, RequestObserver
+from server.metrics import GENERATION_ENDPOINTS, REFUSED
+from server.serving.observer import RequestObserver
 from server.traffic.admission_queue import AdmissionController
 from server.traffic.lifecycle import Lifecycle
 from server.traffic.rate_limit import TenantRateLimiter

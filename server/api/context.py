@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.types import Scope
 
-from server.metrics import ANONYMOUS_TENANT, RequestObserver
+from server.metrics import ANONYMOUS_TENANT
+from server.serving.observer import RequestObserver
 
 _SCOPE_KEY = "specserve.context"
 

@@ -11,7 +11,6 @@ from server.engine.base import (
     SamplingOptions,
     TokenLogprob,
 )
-from server.metrics import RequestObserver
 from server.protocol.chat import (
     AssistantMessage,
     ChatChoice,
@@ -42,6 +41,7 @@ from server.serving.common import (
     usage,
     validate_all,
 )
+from server.serving.observer import RequestObserver
 from server.serving.sse import (
     TextEvents,
     sse,

@@ -23,8 +23,8 @@ from server.errors import (
     ModelNotFoundError,
     RequestTimeoutError,
 )
-from server.metrics import RequestObserver
 from server.protocol.common import ResponseFormat, SamplingFields, SpeculationSummary, Usage
+from server.serving.observer import RequestObserver
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,6 @@ from server.engine.base import (
     TokenLogprob,
 )
 from server.errors import InvalidRequestError
-from server.metrics import RequestObserver
 from server.protocol.common import draft_cap
 from server.protocol.completions import (
     CompletionChoice,
@@ -31,6 +30,7 @@ from server.serving.common import (
     usage,
     validate_all,
 )
+from server.serving.observer import RequestObserver
 from server.serving.sse import (
     TextEvents,
     sse,

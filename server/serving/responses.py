@@ -25,7 +25,6 @@ from server.engine.base import (
     SamplingOptions,
 )
 from server.errors import APIError, InvalidRequestError
-from server.metrics import RequestObserver
 from server.protocol.common import draft_cap
 from server.protocol.responses import (
     CreateResponseRequest,
@@ -49,6 +48,7 @@ from server.serving.common import (
     speculation_summary,
     validate_all,
 )
+from server.serving.observer import RequestObserver
 from server.serving.sse import (
     sse_stream,
 )
