@@ -26,8 +26,9 @@ import time
 from pathlib import Path
 
 import psutil
-from bench_loadtest import _loadtest, _start, _stop
+from bench_loadtest import _loadtest, _start
 
+from loadtest.launch import stop
 from loadtest.report import fmt, paired
 from server.config import DEFAULT_CACHE_DIR
 from server.weights.embedded import DRAFT, TARGET, EmbeddedModel, fetch_gguf
@@ -152,12 +153,12 @@ def _run(args: argparse.Namespace) -> None:
                 _compare_all(args, label)
                 _record_rss(label, specserve, args.out)
             finally:
-                _stop(specserve)
+                stop(specserve)
         for (name, _, _), process in zip(llama_servers, started, strict=True):
             _record_rss(name, process, args.out)
     finally:
         for process in reversed(started):
-            _stop(process)
+            stop(process)
 
 
 def _record_rss(name: str, process: subprocess.Popen[bytes], out: Path) -> None:

@@ -29,7 +29,8 @@ from agents import (
 )
 from pydantic import BaseModel
 
-from tests.net import free_port, wait_until_up
+from loadtest.launch import wait_until_up
+from tests.net import free_port
 
 pytestmark = pytest.mark.e2e
 
