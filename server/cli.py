@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Flags of `serve`, each a Settings field of the same name.
-_SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
+# Flags of `serve`, each a Settings field of the same name (docs/configuration.md lists them).
+SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--host", {}),
     ("--port", {"type": int}),
     ("--metrics-port", {"type": int}),
@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="start the OpenAI-compatible server")
-    for flag, options in _SERVE_FLAGS:
+    for flag, options in SERVE_FLAGS:
         field = flag.removeprefix("--").replace("-", "_")
         help_text = Settings.model_fields[field].description
         # SUPPRESS keeps unset flags out of the namespace so env values apply.
