@@ -49,7 +49,7 @@ tools: $(HELM)
 		--no-install-recommends prometheus redis-server; }
 
 # Real image build and run (scripts/image_test.py); needs root, Debian's
-# docker.io and debootstrap. Not part of `make test`: see README "Deployment".
+# docker.io and debootstrap. Not part of `make test`: see docs/deployment.md.
 image-test: install
 	command -v dockerd >/dev/null && command -v debootstrap >/dev/null || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \

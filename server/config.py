@@ -14,8 +14,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "specserve" / "models"
 
-# Fixed mode (measured on the embedded pair on a 2-core CPU, README
-# "Benchmarks"): K=2 has the best batch-1 speed of K=1..3, and at a batch of 2
+# Fixed mode (measured on the embedded pair on a 2-core CPU, docs/speculation.md):
+# K=2 has the best batch-1 speed of K=1..3, and at a batch of 2
 # every K is slower than no speculation, so it speculates only at batch 1.
 DEFAULT_NUM_SPECULATIVE_TOKENS = 2
 DEFAULT_SPECULATION_MAX_BATCH_SIZE = 1
