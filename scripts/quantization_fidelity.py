@@ -35,7 +35,10 @@ from server.weights import embedded
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ("coding-chat", "prose")
-TEXTS = {"prose": ROOT / "docs" / "speculation.md", "code": ROOT / "server" / "autopilot" / "policy.py"}
+TEXTS = {
+    "prose": ROOT / "docs" / "speculation.md",
+    "code": ROOT / "server" / "autopilot" / "policy.py",
+}
 QUANTIZATIONS = ("none", "int8", "int4")
 
 
