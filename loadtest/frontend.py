@@ -237,7 +237,7 @@ def serve(port: int, max_concurrent_requests: int) -> int:
     from server.cli import serve_engine
     from server.config import Settings
     from server.logs import configure_logging
-    from server.runner import bind_listeners
+    from server.traffic.runner import bind_listeners
 
     settings = Settings.model_validate(
         {

@@ -9,11 +9,11 @@ acceptance rate = accepted / draft tokens; mean acceptance length =
 """
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 FAMILIES = {
     "specserve": (
@@ -30,9 +30,6 @@ FAMILIES = {
     ),
 }
 SPECULATIVE_TOKENS = "specserve_speculative_tokens"
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
-_POSITION = re.compile(r'(?:^|,)\s*position="(\d+)"')
 
 
 @dataclass
@@ -78,20 +75,16 @@ class SpecCounters:
         }
 
 
-def samples(text: str) -> dict[str, list[tuple[str, float]]]:
-    """Prometheus text exposition -> {sample name: [(label text, value)]}."""
-    found: dict[str, list[tuple[str, float]]] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE.match(line)
-        if match is None:
-            continue
-        try:
-            value = float(match.group(4))
-        except ValueError:
-            continue
-        found.setdefault(match.group(1), []).append((match.group(3) or "", value))
+def samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Prometheus text exposition -> {sample name: [(labels, value)]}; text that is not the
+    exposition format (a page that is not metrics) has none."""
+    found: dict[str, list[tuple[dict[str, str], float]]] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                found.setdefault(sample.name, []).append((sample.labels, sample.value))
+    except ValueError:
+        return {}
     return found
 
 
@@ -108,9 +101,8 @@ def parse(text: str) -> SpecCounters | None:
             sum(v for _, v in found.get(accepted, [])),
         )
         for labels, value in found.get(per_position, []):
-            match = _POSITION.search(labels)
-            if match is not None:
-                position = int(match.group(1))
+            if "position" in labels:
+                position = int(labels["position"])
                 counters.per_position[position] = counters.per_position.get(position, 0) + value
         return counters
     return None

@@ -64,11 +64,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
-# The scripts folder is on sys.path when this file runs as a script.
-from bench_loadtest import _loadtest, _start, _stop
+from bench_loadtest import _loadtest, _start
 
 from loadtest.analysis import ratio
+
+# The scripts folder is on sys.path when this file runs as a script.
+from loadtest.launch import stop
 from loadtest.report import fmt, paired
 from loadtest.workloads import BUNDLED
 
@@ -390,7 +391,7 @@ def _run_paired(args: argparse.Namespace, engine_extra: list[str]) -> None:
                 health = httpx.get(f"{url}/health", timeout=30).text
                 (args.out / "paired" / server_config / "health.json").write_text(health)
         finally:
-            _stop(server)
+            stop(server)
 
 
 def _fixed_k(config: str) -> int:
@@ -423,7 +424,7 @@ def _run(args: argparse.Namespace, engine_extra: list[str]) -> None:
                         record,
                     )  # fmt: skip
         finally:
-            _stop(server)
+            stop(server)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ turn: for each workload and concurrency, `python -m loadtest compare` runs it ag
 llama-server in alternating rounds (ABBA), greedy, streamed.
 
 Writes every results.json under <out>, the commands (and each server's RSS after its runs) to
-commands.txt, lscpu.txt, the server logs, and <out>/llamacpp.md: tokens/s and TTFT p50 of
-each, and each specserve configuration's paired ratio to each llama-server (95% interval).
+commands.txt, lscpu.txt, the server logs, and <out>/llamacpp.md: tokens/s and TTFT p50 of each,
+and each specserve configuration's paired ratio to each llama-server (95% interval).
 
     scripts/build_llama_server.sh .venv/llama.cpp
     .venv/bin/python scripts/bench_llamacpp.py --out /work/llamacpp-bench
@@ -26,11 +26,12 @@ import time
 from pathlib import Path
 
 import psutil
-from bench_loadtest import _loadtest, _start, _stop
+from bench_loadtest import _loadtest, _start
 
+from loadtest.launch import stop
 from loadtest.report import fmt, paired
 from server.config import DEFAULT_CACHE_DIR
-from server.models.embedded import DRAFT, TARGET, EmbeddedModel, fetch_gguf
+from server.weights.embedded import DRAFT, TARGET, EmbeddedModel, fetch_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECSERVE_PORT, DRAFTED_PORT, TARGET_ONLY_PORT = 8331, 8332, 8333
@@ -152,12 +153,12 @@ def _run(args: argparse.Namespace) -> None:
                 _compare_all(args, label)
                 _record_rss(label, specserve, args.out)
             finally:
-                _stop(specserve)
+                stop(specserve)
         for (name, _, _), process in zip(llama_servers, started, strict=True):
             _record_rss(name, process, args.out)
     finally:
         for process in reversed(started):
-            _stop(process)
+            stop(process)
 
 
 def _record_rss(name: str, process: subprocess.Popen[bytes], out: Path) -> None:

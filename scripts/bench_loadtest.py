@@ -28,20 +28,22 @@ run's results.json, summary.md and plots go to a folder under <out>, and
 import argparse
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
-
 from loadtest.analysis import ratio
+from loadtest.launch import stop, wait_until_up
 from loadtest.report import paired
 from loadtest.workloads import BUNDLED
 from server.config import DEFAULT_CACHE_DIR
-from server.models.embedded import TARGET, model_dir
+from server.weights.embedded import TARGET, model_dir
+
+# Longest a server may take to load its models and calibrate (a cold start exports quantized
+# copies first).
+STARTUP_SECONDS = 1800
 
 
 def _start(
@@ -53,30 +55,11 @@ def _start(
     with socket.socket() as probe:
         if probe.connect_ex(("127.0.0.1", port)) == 0:
             raise SystemExit(f"[{name}] port {port} is already in use; stop what listens there")
-    log = (logs / f"{name}.log").open("w")
-    started = time.perf_counter()
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    while True:
-        if process.poll() is not None:
-            raise SystemExit(f"[{name}] exited with {process.returncode}; see {logs}/{name}.log")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    startup = time.perf_counter() - started
+    log = logs / f"{name}.log"
+    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    startup = wait_until_up(process, f"http://127.0.0.1:{port}/health", STARTUP_SECONDS, log)
     print(f"[{name}] healthy after {startup:.0f} s", flush=True)
     return process, startup
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    process.send_signal(signal.SIGINT)
-    try:
-        process.wait(timeout=90)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 def _loadtest(args: list[str], record: Path) -> None:
@@ -245,7 +228,7 @@ def main() -> None:
                         record,
                     )  # fmt: skip
             finally:
-                _stop(spec)
+                stop(spec)
         if not args.skip_overhead:
             # What specserve's engine adapter sets on CPU (configure_cpu_runtime).
             vllm_env = dict(env)
@@ -288,9 +271,9 @@ def main() -> None:
                                 record,
                             )  # fmt: skip
             finally:
-                _stop(vllm)
+                stop(vllm)
     finally:
-        _stop(plain)
+        stop(plain)
     (args.out / "tables.md").write_text(tables(args.out))
     print(tables(args.out))
 

@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from bench_loadtest import _start
 
 # The scripts folder is on sys.path when this file runs as a script.
-from bench_loadtest import _start, _stop
+from loadtest.launch import stop
 
 PROMPTS = {
     "code": "Write a Python function that parses a CSV file into a list of dicts, "
@@ -133,7 +134,7 @@ def main() -> None:
     try:
         rows = asyncio.run(_measure(args.port, args))
     finally:
-        _stop(server)
+        stop(server)
     record = {
         "command": command,
         "rounds": args.rounds,

@@ -5,7 +5,7 @@ Each quantization (--quantizations, and none) runs vLLM's own `LLM` on its folde
 of its own, one after the other (a quantized copy is made first if it is not cached):
 - greedy continuations (--max-tokens) of the bundled coding-chat and prose prompts, through
   the chat template;
-- the log-probability of every token of texts the project ships (README.md as prose,
+- the log-probability of every token of texts the project ships (docs/speculation.md as prose,
   server/autopilot/policy.py as code), each cut to --text-tokens, teacher-forced.
 
 Prints, and writes to <out>/fidelity.md: per workload, the prompts whose continuations are
@@ -30,12 +30,15 @@ from loadtest.workloads import BUNDLED
 from server.config import Settings
 from server.engine.hardware import choose_dtype
 from server.engine.resolve import prepare_target
-from server.engine.vllm_engine import configure_cpu_runtime
-from server.models import embedded
+from server.engine.runtime import configure_cpu_runtime
+from server.weights import embedded
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ("coding-chat", "prose")
-TEXTS = {"prose": ROOT / "README.md", "code": ROOT / "server" / "autopilot" / "policy.py"}
+TEXTS = {
+    "prose": ROOT / "docs" / "speculation.md",
+    "code": ROOT / "server" / "autopilot" / "policy.py",
+}
 QUANTIZATIONS = ("none", "int8", "int4")
 
 

@@ -17,16 +17,14 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from server import metrics as server_metrics
-from server.admission import AdmissionController
 from server.api import chat, completions, create_response, health, metrics, models
 from server.api.admission import AdmissionMiddleware
 from server.api.auth import ApiKeyMiddleware
 from server.api.body_limit import BodyLimitsMiddleware
 from server.api.instrumentation import RequestMetricsMiddleware
 from server.api.metrics import MetricsPortMiddleware
+from server.api.replies import CLIENT_CLOSED_REQUEST, error_response
 from server.api.request_id import RequestIdMiddleware
-from server.api.responses import CLIENT_CLOSED_REQUEST
-from server.auth import ApiKeys
 from server.config import (
     DEFAULT_BODY_READ_TIMEOUT_SECONDS,
     DEFAULT_MAX_BODY_BYTES,
@@ -43,9 +41,12 @@ from server.errors import (
     NotFoundError,
     error_statuses,
 )
-from server.lifecycle import Lifecycle
-from server.rate_limit import RateLimiter, TenantRateLimiter
-from server.rate_limit_redis import RedisRateLimiter
+from server.serving import observer
+from server.traffic.admission_queue import AdmissionController
+from server.traffic.api_keys import ApiKeys
+from server.traffic.lifecycle import Lifecycle
+from server.traffic.rate_limit import RateLimiter, TenantRateLimiter
+from server.traffic.rate_limit_redis import RedisRateLimiter
 
 
 def _validation_error(exc: RequestValidationError) -> InvalidRequestError:
@@ -104,7 +105,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         lifecycle.loaded = True
-        server_metrics.describe_server(
+        observer.describe_server(
             engine.info(), baseline_tpot_seconds, [*error_statuses(), CLIENT_CLOSED_REQUEST]
         )
         server_metrics.track_engine_requests(engine.unfinished_requests)
@@ -152,16 +153,16 @@ def create_app(
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.to_response()
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).to_response()
+        return error_response(_validation_error(exc))
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
         if exc.status_code == 404:
-            return NotFoundError(str(exc.detail)).to_response()
+            return error_response(NotFoundError(str(exc.detail)))
         # Starlette's 405 lists the allowed methods in `Allow`; keep it.
         error = InvalidRequestError(str(exc.detail))
         return JSONResponse(error.to_body(), status_code=exc.status_code, headers=exc.headers)
@@ -169,6 +170,6 @@ def create_app(
     # Starlette re-raises after this handler, so uvicorn logs the traceback.
     @app.exception_handler(Exception)
     async def unexpected_error(_: Request, exc: Exception) -> JSONResponse:
-        return InternalError("internal server error").to_response()
+        return error_response(InternalError("internal server error"))
 
     return app

@@ -14,18 +14,18 @@ from pydantic import ValidationError
 
 from server.config import ConfigError, Settings
 from server.logs import configure_logging, configure_root_logging, route_output_as_json
-from server.models.embedded import ModelPullError
+from server.weights.embedded import ModelPullError
 
 if TYPE_CHECKING:
     import socket
 
-    from server.auth import ApiKeys
     from server.engine.base import Engine
+    from server.traffic.api_keys import ApiKeys
 
 logger = logging.getLogger(__name__)
 
-# Flags of `serve`, each a Settings field of the same name.
-_SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
+# Flags of `serve`, each a Settings field of the same name (docs/configuration.md lists them).
+SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--host", {}),
     ("--port", {"type": int}),
     ("--metrics-port", {"type": int}),
@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="start the OpenAI-compatible server")
-    for flag, options in _SERVE_FLAGS:
+    for flag, options in SERVE_FLAGS:
         field = flag.removeprefix("--").replace("-", "_")
         help_text = Settings.model_fields[field].description
         # SUPPRESS keeps unset flags out of the namespace so env values apply.
@@ -98,7 +98,7 @@ def _serve(settings: Settings) -> int:
     from server.engine.ray_cluster import wait_for_ray_nodes
     from server.engine.resolve import resolve
     from server.engine.vllm_engine import VllmEngine
-    from server.runner import bind_listeners
+    from server.traffic.runner import bind_listeners
 
     # A taken port, open access and a bad key file fail before minutes of model pulling
     # and loading.
@@ -124,7 +124,7 @@ def _metrics_port(settings: Settings) -> int | None:
 
 
 def _api_keys(settings: Settings) -> "ApiKeys | None":
-    from server.auth import ApiKeys, load_key_ring
+    from server.traffic.api_keys import ApiKeys, load_key_ring
 
     if settings.open_access_refused:
         raise ConfigError(
@@ -152,10 +152,10 @@ def serve_engine(
     `specserve serve` does (admission, lifecycle, drain, the settings' limits) until drained
     or the engine dies; return the exit status. The front-end benchmark
     (loadtest/frontend.py) serves an engine with no model through it."""
-    from server.admission import AdmissionController
     from server.app import create_app
-    from server.lifecycle import Lifecycle
-    from server.runner import run
+    from server.traffic.admission_queue import AdmissionController
+    from server.traffic.lifecycle import Lifecycle
+    from server.traffic.runner import run
 
     admission = AdmissionController(
         settings.max_concurrent_requests or settings.max_num_seqs,
@@ -195,7 +195,7 @@ def serve_engine(
 
 
 def _models(settings: Settings, command: str) -> None:
-    from server.models import embedded
+    from server.weights import embedded
 
     for model in embedded.EMBEDDED_PAIR:
         if command == "pull":

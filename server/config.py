@@ -14,8 +14,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "specserve" / "models"
 
-# Fixed mode (measured on the embedded pair on a 2-core CPU, README
-# "Benchmarks"): K=2 has the best batch-1 speed of K=1..3, and at a batch of 2
+# Fixed mode (measured on the embedded pair on a 2-core CPU, docs/speculation.md):
+# K=2 has the best batch-1 speed of K=1..3, and at a batch of 2
 # every K is slower than no speculation, so it speculates only at batch 1.
 DEFAULT_NUM_SPECULATIVE_TOKENS = 2
 DEFAULT_SPECULATION_MAX_BATCH_SIZE = 1
@@ -65,8 +65,9 @@ class Settings(BaseSettings):
         DEFAULT_METRICS_PORT,
         ge=1,
         le=65535,
-        description="Port of GET /metrics, on --host, apart from the API so a public "
-        "listener never shows it; the same as --port serves it on the API port.",
+        description="Port of `GET /metrics`, on `--host`, apart from the API (the API port answers "
+        "`/metrics` with 404, the metrics port nothing else); the same as `--port` serves "
+        "it on the API port.",
     )
     model: str | None = Field(
         None,
@@ -80,26 +81,37 @@ class Settings(BaseSettings):
     )
     quantization: Literal["auto", "none", "int8", "int4", "fp8"] = Field(
         "auto",
-        description="int8: run the target from an int8 copy of its linear layers (compressed-"
-        "tensors W8A8 on vLLM's int8 kernels), exported once into the cache folder; needs a "
-        "local target folder (the embedded one is). Its output is close to, not the same as, "
-        "the unquantized target's (docs/benchmarks.md: perplexity within 1%). fp8: vLLM's "
-        "online fp8, on a GPU only. auto: int8 on a CPU with int8 dot-product units (amx_int8, "
-        "avx512_vnni, avx_vnni) and a local target, the checkpoint's own weights elsewhere.",
+        description="How the target's weights are stored. `int8`: an int8 copy of its linear "
+        "layers "
+        "(compressed-tensors W8A8, on vLLM's int8 kernels); `int4`: an int4 copy, one scale "
+        "per 64 inputs (compressed-tensors W4A16, on vLLM's `CPUWNA16` kernel, which needs "
+        "bf16 on a CPU); each made once into the cache folder (by `specserve models pull` "
+        "or the first start) and needing a local target folder (the embedded one is). Their "
+        "output is close to, not the same as, the unquantized target's: fidelity and speed "
+        "in docs/benchmarks.md. `fp8`: vLLM's online fp8, GPU only. `auto`: `int8` on a CPU "
+        "with int8 dot-product units (`amx_int8`, `avx512_vnni` or `avx_vnni` flag), the "
+        "checkpoint's own weights elsewhere and on a GPU. The choice and why are logged at "
+        "startup.",
     )
     draft_quantization: Literal["auto", "none", "int8"] = Field(
         "auto",
-        description="int8: run the draft from an int8 copy of its linear layers (compressed-"
-        "tensors W8A8 on vLLM's int8 kernels), exported once into the cache folder; needs a "
-        "local draft folder. auto: int8 on a CPU with int8 dot-product units (amx_int8, "
-        "avx512_vnni, avx_vnni) and a local draft, fp8 on a GPU, none elsewhere.",
+        description="`int8`: run the draft from an int8 copy of its linear layers "
+        "(compressed-tensors "
+        "W8A8 on vLLM's int8 kernels), exported once into the cache folder; needs a local "
+        "draft folder (the embedded one is). `auto`: `int8` on a CPU with int8 dot-product "
+        "units (`amx_int8`, `avx512_vnni` or `avx_vnni` flag), `fp8` (vLLM's online "
+        "quantization) on a GPU, untested there; `none` elsewhere. The choice and why are "
+        "logged at startup.",
     )
     draft_vocab: int | Literal["auto", "none"] = Field(
         "auto",
-        description="Trim the draft's output head to the N most frequent token ids (plus each "
-        "request's own prompt and output ids): the output is unchanged, the draft reads fewer "
-        "bytes per proposed token. auto: 32768 on a CPU for a local draft with a larger "
-        "vocabulary, none on a GPU.",
+        description="Trim the draft's output head to the N most frequent token ids plus each "
+        "request's "
+        "own prompt and reply ids: the output is unchanged (the target verifies every "
+        "token), the draft reads 59 MB instead of 272 MB per proposed token at 32768 ids "
+        "for the embedded pair. `auto`: 32768 on a CPU for a local draft with a larger "
+        "vocabulary, the whole head on a GPU (untested there); `none`: the whole head. "
+        "`/health` shows the head and how often a request's own ids were proposed.",
     )
     speculative_method: Literal["draft_model", "ngram"] = Field(
         "draft_model",
@@ -129,25 +141,31 @@ class Settings(BaseSettings):
     )
     speculation_trace: Path | None = Field(
         None,
-        description="Append one JSON line per engine step to this file (the K "
-        "chosen and why, the step's time and shape, the predicted and measured speedups): "
-        "for finding out why speculation runs or idles on your traffic. Grows ~1 KB a step.",
+        description="Append one JSON line per engine step to this file (K chosen and why, the "
+        "step's "
+        "time and shape, the predicted step times by K, acceptance by position, the "
+        "predicted, measured end-to-end and realised speedups at its batch size): for "
+        "finding out why speculation runs or idles on your traffic; ~1 KB a step.",
     )
     served_model_name: str | None = Field(
         None, description="Model name clients use; defaults to the target's folder name."
     )
     tool_call_parser: str = Field(
         "hermes",
-        description="vLLM tool parser that reads tool calls out of the target's replies "
-        "(hermes: Qwen2.5's <tool_call> format); see vLLM's --tool-call-parser names.",
+        description="VLLM tool parser that reads `auto` tool calls out of the target's replies "
+        "(`hermes`, tested, for Qwen2.5's `<tool_call>` format; other names vLLM registers "
+        "load, but formats written in special tokens (which replies drop) or parsed by the "
+        "engine are not supported); an unknown name is refused at startup.",
     )
     max_model_len: int | None = Field(
         None, ge=16, description="Context length; defaults to the model's own."
     )
     dtype: Literal["bfloat16", "float32", "auto"] = Field(
         "auto",
-        description="Weight and activation dtype. auto: on a GPU the model's own; on a "
-        "CPU bfloat16 where it is native (avx512_bf16 or amx_bf16), else float32.",
+        description="`bfloat16`, `float32` or `auto`: on a GPU the model's own dtype; on a CPU "
+        "`bfloat16` where it is native (`avx512_bf16` or `amx_bf16` flag), else `float32` "
+        "(emulated bf16 is slower). The choice and why are logged at startup, shown in "
+        "`/health` and exported as `specserve_engine_dtype_info`.",
     )
     seed: int = Field(0, description="Engine seed for reproducible sampling.")
     cache_dir: Path = Field(
@@ -156,15 +174,19 @@ class Settings(BaseSettings):
     kv_cache_gib: int | None = Field(
         None,
         ge=1,
-        description="KV cache size in GiB (CPU). Unset: enough for one full-context "
-        "sequence of target plus draft in the chosen dtype, at least 2.",
+        description="KV cache size on CPU; unset: one full-context sequence of target plus draft "
+        "in the "
+        "chosen dtype, at least 2 (default pair: 2 in bfloat16, 3 in float32). A size too "
+        "small for one sequence at `--max-model-len` is refused at startup.",
     )
     max_num_seqs: int = Field(16, ge=1, description="Most requests in one engine step.")
     tensor_parallel_size: int = Field(
         1,
         ge=1,
-        description="Ranks each layer of the target is split across (GPUs; on a CPU, groups "
-        "of cores). The draft is split the same way.",
+        description="Ranks each layer of the target (and the draft) is split across: GPUs, or on "
+        "a CPU "
+        "groups of cores, each rank bound to its own (run on CPU ranks, see "
+        "docs/multi-node.md; not yet on GPUs).",
     )
     pipeline_parallel_size: int = Field(
         1,
@@ -210,8 +232,10 @@ class Settings(BaseSettings):
     )
     rate_limit_on_store_failure: Literal["open", "closed"] = Field(
         "open",
-        description="While the rate-limit store is unreachable: open admits without limits, "
-        "closed refuses with 503 (both with a warning and a metric).",
+        description="While that Redis is unreachable: `open` admits without limits, `closed` "
+        "refuses "
+        "with 503; both log a warning once per outage and count "
+        "`specserve_rate_limit_store_failures_total`, and the limits return with Redis.",
     )
     max_body_bytes: int = Field(
         DEFAULT_MAX_BODY_BYTES, ge=1024, description="Largest request body accepted (413 above)."
@@ -229,13 +253,16 @@ class Settings(BaseSettings):
     max_connections: int = Field(
         DEFAULT_MAX_CONNECTIONS,
         ge=1,
-        description="Connections served at once, idle keep-alive ones included; past it, "
-        "uvicorn answers 503 (plain text) before the app sees the request.",
+        description="Connections served at once, idle keep-alive ones included; past it uvicorn "
+        "answers "
+        "a plain-text 503 before the app sees the request.",
     )
     keep_alive_timeout_seconds: int = Field(
         DEFAULT_KEEP_ALIVE_TIMEOUT_SECONDS,
         ge=1,
-        description="An idle keep-alive connection is closed after this many seconds.",
+        description="An idle keep-alive connection closes after this; longer than the usual 60 s "
+        "idle "
+        "timeout of load balancers, so they close first.",
     )
     metrics_need_key: bool = Field(
         False, description="Require an API key on /metrics too (it is open by default)."
@@ -269,8 +296,8 @@ class Settings(BaseSettings):
     request_timeout_seconds: float = Field(
         DEFAULT_REQUEST_TIMEOUT_SECONDS,
         gt=0,
-        description="Deadline of a generation request from arrival; past it the "
-        "generation is aborted and the client gets 504 (or an error event).",
+        description="Deadline from arrival (queueing included); past it the generation stops "
+        "with 504.",
     )
     drain_timeout_seconds: float = Field(
         DEFAULT_DRAIN_TIMEOUT_SECONDS,
@@ -278,7 +305,14 @@ class Settings(BaseSettings):
         description="On SIGTERM, how long admitted requests may run before the process stops.",
     )
     log_format: Literal["text", "json"] = Field(
-        "text", description="Log lines as text or as one JSON object per line."
+        "text",
+        description="`json` writes one JSON object per line (`time`, `level`, `logger`, "
+        "`request_id`, "
+        "`message`) on stderr, vLLM's log lines (every engine process) included; whatever "
+        "the server or its engine processes write outside logging (torch's native warnings, "
+        "warnings at import before vLLM sets up logging, prints) comes wrapped as "
+        '`{"logger": "stderr", "level": "WARNING", "message": <the line>}`, and vLLM\'s '
+        "loading progress bars are off.",
     )
 
     @model_validator(mode="after")

@@ -1,15 +1,13 @@
 """The one error taxonomy: every failure a client can see, and its OpenAI shape.
 
-Errors are raised, never returned. `APIError.to_body()` is the single mapping
-to OpenAI's `{"error": {...}}` JSON; the HTTP layer uses `status` for plain
-responses and, once headers are sent and a stream is under way, `sse_event()`
-(on the Responses API: an `error` event of `stream_event_fields()`).
+Errors are raised, never returned, and know nothing of the transport. `APIError.to_body()`
+is the single mapping to OpenAI's `{"error": {...}}` JSON; each kind names the HTTP status
+and the headers (Retry-After, rate limits) the edge sends it with: api/replies.py makes the
+response, serving/sse.py the event of a stream under way (on the Responses API: an `error`
+event of `stream_event_fields()`).
 """
 
-import json
 from typing import Any
-
-from starlette.responses import JSONResponse
 
 
 class APIError(Exception):
@@ -43,12 +41,6 @@ class APIError(Exception):
                 "code": self.code,
             }
         }
-
-    def to_response(self) -> JSONResponse:
-        return JSONResponse(self.to_body(), status_code=self.status, headers=self.headers)
-
-    def sse_event(self) -> str:
-        return f"data: {json.dumps(self.to_body())}\n\n"
 
     def stream_event_fields(self) -> dict[str, Any]:
         """The fields of the Responses API's `error` stream event: flat, and the

@@ -11,7 +11,7 @@ from pathlib import Path
 import uvicorn
 
 from server.app import create_app
-from server.auth import ApiKeys, load_key_ring
+from server.traffic.api_keys import ApiKeys, load_key_ring
 from tests.unit.scripted_engine import ScriptedEngine
 
 

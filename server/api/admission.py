@@ -18,15 +18,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.admission import AdmissionController
 from server.api.auth import tenant
-from server.api.responses import CLIENT_CLOSED_REQUEST
+from server.api.context import context_of, request_context
+from server.api.replies import CLIENT_CLOSED_REQUEST, error_response
 from server.errors import APIError, ShuttingDownError
-from server.lifecycle import Lifecycle
-from server.metrics import GENERATION_ENDPOINTS, REFUSED, RequestObserver
-from server.rate_limit import TenantRateLimiter
+from server.metrics import GENERATION_ENDPOINTS, REFUSED
+from server.serving.observer import RequestObserver
+from server.traffic.admission_queue import AdmissionController
+from server.traffic.lifecycle import Lifecycle
+from server.traffic.rate_limit import TenantRateLimiter
 
-_OBSERVER = "specserve_observer"
 # Long enough for a load balancer to stop sending us traffic.
 _DRAINING_RETRY_AFTER_SECONDS = "5"
 
@@ -63,7 +64,7 @@ class AdmissionMiddleware:
             limit_headers = await self.rate_limiter.admit(request_tenant)
             admitted_receive = await self._take_slot(receive)
         except APIError as exc:
-            await exc.to_response()(scope, receive, send)
+            await error_response(exc)(scope, receive, send)
             return
         if admitted_receive is None:
             REFUSED.labels("client_disconnected").inc()
@@ -80,7 +81,7 @@ class AdmissionMiddleware:
             await self.app(scope, admitted_receive, send_with_limits)
         finally:
             self.admission.release(time.perf_counter() - started)
-            observer: RequestObserver | None = scope.get("state", {}).get(_OBSERVER)
+            observer = context_of(scope).observer
             if observer is not None:
                 tokens = observer.prompt_tokens + observer.output_tokens
                 await self.rate_limiter.charge_tokens(request_tenant, tokens)
@@ -126,4 +127,4 @@ def _replaying(heard: list[Message], receive: Receive) -> Receive:
 
 def record_usage(request: Request, observer: RequestObserver) -> None:
     """Let the middleware charge this request's tokens once it ends."""
-    setattr(request.state, _OBSERVER, observer)
+    request_context(request).observer = observer

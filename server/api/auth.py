@@ -3,18 +3,19 @@
 Health and metrics stay open (metrics only while `metrics_need_key` is off)
 so probes and scrapers need no secret. The API's documentation (/docs,
 /openapi.json) needs a key like the API unless `public_docs`. The tenant of
-the key, or "anonymous" when no keys are configured, goes into the request
-state for metrics.
+the key, or "anonymous" when no keys are configured, goes into the request's
+context (context.py) for metrics and rate limits.
 """
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.auth import ApiKeys
+from server.api.context import context_of, request_context
+from server.api.replies import error_response
 from server.errors import AuthenticationError
 from server.metrics import ANONYMOUS_TENANT
+from server.traffic.api_keys import ApiKeys
 
-TENANT = "specserve_tenant"
 # FastAPI's interactive documentation and the schema it reads.
 DOCS_PATHS = {"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
 
@@ -43,13 +44,15 @@ class ApiKeyMiddleware:
         if self.keys is not None and self._protected(scope["path"]):
             found = self.keys.ring.tenant_for(_bearer(Request(scope)))
             if found is None:
-                response = AuthenticationError(
-                    "Incorrect or missing API key: send `Authorization: Bearer <key>`"
-                ).to_response()
+                response = error_response(
+                    AuthenticationError(
+                        "Incorrect or missing API key: send `Authorization: Bearer <key>`"
+                    )
+                )
                 await response(scope, receive, send)
                 return
             tenant = found
-        scope.setdefault("state", {})[TENANT] = tenant
+        context_of(scope).tenant = tenant
         await self.app(scope, receive, send)
 
 
@@ -59,4 +62,4 @@ def _bearer(request: Request) -> str:
 
 
 def tenant(request: Request) -> str:
-    return str(getattr(request.state, TENANT, ANONYMOUS_TENANT))
+    return request_context(request).tenant

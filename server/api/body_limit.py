@@ -13,6 +13,7 @@ import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.api.replies import error_response
 from server.errors import APIError, BodyReadTimeoutError, OverloadedError, PayloadTooLargeError
 from server.metrics import REFUSED
 
@@ -37,7 +38,7 @@ class BodyLimitsMiddleware:
         try:
             first = await self._read(scope, receive)
         except APIError as exc:
-            await exc.to_response()(scope, receive, send)
+            await error_response(exc)(scope, receive, send)
             return
         await self.app(scope, _replay(first, receive), send)
 

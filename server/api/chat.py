@@ -9,7 +9,7 @@ from server.api.admission import record_usage
 from server.api.auth import tenant
 from server.api.deps import EngineDep
 from server.api.instrumentation import arrival, deadline
-from server.api.responses import GENERATION_RESPONSES, event_stream, json_unless_disconnected
+from server.api.replies import GENERATION_RESPONSES, event_stream, json_unless_disconnected
 from server.protocol.chat import ChatCompletionRequest, ChatCompletionResponse
 from server.serving import chat
 

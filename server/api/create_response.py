@@ -12,7 +12,7 @@ from server.api.admission import record_usage
 from server.api.auth import tenant
 from server.api.deps import EngineDep
 from server.api.instrumentation import arrival, deadline
-from server.api.responses import TYPED_EVENT_RESPONSES, json_unless_disconnected, sse_response
+from server.api.replies import TYPED_EVENT_RESPONSES, json_unless_disconnected, sse_response
 from server.protocol.responses import CreateResponseRequest, ResponseObject
 from server.serving import responses
 

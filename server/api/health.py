@@ -13,9 +13,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from server.api.deps import EngineDep
-from server.api.responses import error_responses
+from server.api.replies import error_responses
 from server.errors import EngineUnavailableError, ShuttingDownError
-from server.lifecycle import Lifecycle
+from server.traffic.lifecycle import Lifecycle
 
 router = APIRouter()
 

@@ -11,9 +11,8 @@ import time
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.api.context import context_of, request_context
 from server.metrics import IN_FLIGHT, KNOWN_ENDPOINTS, REQUESTS
-
-ARRIVAL = "specserve_arrival"
 
 
 def endpoint_label(path: str) -> str:
@@ -33,7 +32,7 @@ class RequestMetricsMiddleware:
             await self.app(scope, receive, send)
             return
         # Before the body is read and parsed: TTFT and e2e count from here.
-        scope.setdefault("state", {})[ARRIVAL] = time.perf_counter()
+        context_of(scope).arrival = time.perf_counter()
         endpoint = endpoint_label(scope["path"])
         status = "500"  # if the app fails before sending anything
 
@@ -54,7 +53,7 @@ class RequestMetricsMiddleware:
 
 def arrival(request: Request) -> float:
     """`time.perf_counter()` when the middleware first saw the request."""
-    return float(getattr(request.state, ARRIVAL))
+    return request_context(request).arrival
 
 
 def deadline(request: Request) -> float | None:

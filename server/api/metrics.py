@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from server.api.replies import error_response
 from server.errors import NotFoundError
 
 router = APIRouter()
@@ -38,6 +39,6 @@ class MetricsPortMiddleware:
             if on_metrics_port != (scope["path"] == METRICS_PATH):
                 where = "the metrics port" if on_metrics_port else "the API port"
                 error = NotFoundError(f"{scope['path']} is not served on {where}")
-                await error.to_response()(scope, receive, send)
+                await error_response(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

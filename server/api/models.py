@@ -3,7 +3,7 @@
 from fastapi import APIRouter
 
 from server.api.deps import EngineDep
-from server.api.responses import error_responses
+from server.api.replies import error_responses
 from server.protocol.models import ModelCard, ModelList
 from server.serving.common import check_model
 

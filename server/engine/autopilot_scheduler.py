@@ -33,15 +33,10 @@ from typing import Any, TextIO
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from server.autopilot.policy import (
-    AcceptanceTracker,
-    Controller,
-    CostModel,
-    Decision,
-    RequestState,
-    StepRecord,
-    expected_tokens_per_step,
-)
+from server.autopilot.acceptance import AcceptanceTracker, expected_tokens_per_step
+from server.autopilot.cost_model import CostModel, StepRecord
+from server.autopilot.idle import IdleReason
+from server.autopilot.policy import Controller, Decision, RequestState
 from server.engine import vllm_patches
 from server.engine.autopilot_report import Reporter
 
@@ -182,10 +177,10 @@ class AutopilotScheduler(Scheduler):
             # vLLM's rejection sampler does not add logit_bias at verified draft positions, so
             # no draft may reach a biased request: nothing is proposed at the end of its steps,
             # and each of its tokens is the plain sampler's, with the bias (see logit_bias.py).
-            return Decision(0, {}, "logit_bias", 1.0, False)
+            return Decision(k=0, reason=IdleReason.LOGIT_BIAS)
         if self._mode == "script":
             k = next(self._script)
-            return Decision(k, {}, None if k else "disabled", 1.0, False)
+            return Decision(k=k, reason=None if k else IdleReason.DISABLED)
         if self._mode == "auto" and all(r.startswith(CALIBRATION_PREFIX) for r in request_ids):
             # Measured steps at every K at each calibration batch size (not
             # only the first, which the policy alone would settle for), so
@@ -194,11 +189,11 @@ class AutopilotScheduler(Scheduler):
             step = self._calibration_steps[batch]
             self._calibration_steps[batch] += 1
             k = self._calibration_cycle[step % len(self._calibration_cycle)]
-            return Decision(k, {}, None if k else "calibrating", 1.0, True)
+            return Decision(k=k, reason=None if k else IdleReason.CALIBRATING, probing=True)
         if self._mode == "fixed":
             if self._max_batch is not None and len(request_ids) > self._max_batch:
-                return Decision(0, {}, "batch_too_large", 1.0, False)
-            return Decision(self.num_spec_tokens, {}, None, 1.0, False)
+                return Decision(k=0, reason=IdleReason.BATCH_TOO_LARGE)
+            return Decision(k=self.num_spec_tokens)
         return self._controller.choose(
             {r: self._state(r, scheduled[r], behind, caps) for r in request_ids}
         )
@@ -231,7 +226,7 @@ class AutopilotScheduler(Scheduler):
             per_request[request_id] = min(cap, per_request.get(request_id, cap))
         k = min(decision.k, max(per_request.get(r, decision.k) for r in request_ids))
         if k == 0:
-            return Decision(0, {}, "requested_off", 1.0, False)
+            return Decision(k=0, reason=IdleReason.REQUESTED_OFF)
         return replace(decision, k=k, per_request_k=per_request)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:

@@ -18,7 +18,7 @@ import tomllib
 from importlib import metadata
 from pathlib import Path
 
-from server.engine import vllm_patches
+from server.engine import vllm_patches, vllm_source
 
 _PIN = re.compile(r"^(vllm(?:-cpu)?)==([\w.]+)")
 
@@ -58,13 +58,13 @@ def check(distribution: str, version: str, cache: Path) -> tuple[list[str], bool
     installed = _installed_version(distribution)
     ok = True
     if installed is not None:
-        source = vllm_patches.installed_source()
+        source = vllm_source.installed_source()
         where = "installed"
         if installed != version:
             return [f"{distribution} {installed} installed, pinned {version}: reinstall"], False
     else:
         wheel = _wheel(distribution, version, cache)
-        source = vllm_patches.wheel_source(wheel)
+        source = vllm_source.wheel_source(wheel)
         where = f"wheel {wheel.name}"
     lines = [f"{distribution} {version} ({where})"]
     found = vllm_patches.missing(source, distribution)
@@ -75,7 +75,7 @@ def check(distribution: str, version: str, cache: Path) -> tuple[list[str], bool
         lacking = found[patch.name]
         ok &= not lacking
         lines.append(f"  {patch.name:<16} {'OK' if not lacking else 'LACKS ' + ', '.join(lacking)}")
-    runner = vllm_patches.check_hook(source, vllm_patches.RUNNER_CHOICE)
+    runner = vllm_source.check_hook(source, vllm_patches.RUNNER_CHOICE)
     ok &= not runner
     lines.append(
         f"  {'runner choice':<16} {'OK' if not runner else 'LACKS ' + ', '.join(runner)} "

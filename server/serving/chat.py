@@ -11,7 +11,6 @@ from server.engine.base import (
     SamplingOptions,
     TokenLogprob,
 )
-from server.metrics import RequestObserver
 from server.protocol.chat import (
     AssistantMessage,
     ChatChoice,
@@ -31,7 +30,6 @@ from server.protocol.chat import (
 )
 from server.protocol.common import draft_cap
 from server.serving.common import (
-    TextEvents,
     check_model,
     generate_all,
     json_format,
@@ -40,9 +38,13 @@ from server.serving.common import (
     now,
     resolve_max_tokens,
     speculation_summary,
-    sse,
     usage,
     validate_all,
+)
+from server.serving.observer import RequestObserver
+from server.serving.sse import (
+    TextEvents,
+    sse,
 )
 from server.serving.tools import (
     Function,

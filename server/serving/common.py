@@ -1,35 +1,30 @@
-"""Serving logic shared by completions, chat and the Responses API: checks,
-fan-out, SSE framing.
+"""Serving logic shared by completions, chat and the Responses API: checks, limits, fan-out
+of a request's generations, usage and the speculation summary.
 
 Everything that happens before the first byte is sent (model name, context
 length) raises an `APIError` the HTTP layer turns into a status code; once a
-stream is under way, errors become an SSE error event followed by [DONE]
-(the Responses API: its `error` event, nothing after it).
+stream is under way, sse.py turns errors into events.
 """
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import aclosing
 from types import MappingProxyType
 
-from pydantic import BaseModel
-
+from server.autopilot.idle import IdleReason
 from server.engine.base import Engine, EngineOutput, GenerationRequest, JsonFormat
 from server.errors import (
-    APIError,
     ContextLengthExceededError,
-    InternalError,
     InvalidRequestError,
     ModelNotFoundError,
     RequestTimeoutError,
 )
-from server.metrics import RequestObserver
 from server.protocol.common import ResponseFormat, SamplingFields, SpeculationSummary, Usage
+from server.serving.observer import RequestObserver
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +264,7 @@ def speculation_summary(
     """
     config = engine.info().speculation
     if config is None:
-        return SpeculationSummary(applied=False, reason="disabled")
+        return SpeculationSummary(applied=False, reason=IdleReason.DISABLED)
     stats = observer.speculation
     drafts = sum(s.drafts for s in stats)
     draft_tokens = sum(s.draft_tokens for s in stats)
@@ -295,65 +290,8 @@ def speculation_summary(
         steps_by_k={str(k): n for k, n in sorted(steps_by_k.items())},
     )
     if not drafts and max_draft_tokens == 0:
-        summary.reason = "requested_off"  # whatever its neighbours' steps did
+        summary.reason = IdleReason.REQUESTED_OFF  # whatever its neighbours' steps did
     elif not drafts:
         reasons = Counter(s.idle_reason for s in stats if s.idle_reason is not None)
-        summary.reason = reasons.most_common(1)[0][0] if reasons else "too_short"
+        summary.reason = reasons.most_common(1)[0][0] if reasons else IdleReason.TOO_SHORT
     return summary
-
-
-def sse(payload: BaseModel) -> str:
-    return f"data: {payload.model_dump_json(exclude_none=False)}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-class TextEvents:
-    """A stream's chunks that carry only text, from one template per choice.
-
-    Most chunks of a stream differ only in their text. Building and dumping the
-    pydantic chunk for each token is the largest share of a token's formatting, so
-    each choice's chunk is dumped once, by `payload` (the function that builds the
-    stream's other chunks), with `MARKER` as its text, split around it, and each
-    token's text is JSON-encoded into the gap.
-    """
-
-    MARKER = "@@specserve-text@@"
-
-    def __init__(self, payload: Callable[[int, str], BaseModel]) -> None:
-        self._payload = payload  # (choice index, text) -> the chunk
-        self._templates: dict[int, tuple[str, str]] = {}
-
-    def render(self, index: int, text: str) -> str:
-        template = self._templates.get(index)
-        if template is None:
-            event = sse(self._payload(index, self.MARKER))
-            head, marker, tail = event.partition(json.dumps(self.MARKER))
-            if not marker or self.MARKER in tail:
-                raise ValueError("the payload must hold TextEvents.MARKER exactly once")
-            template = self._templates[index] = (head, tail)
-        head, tail = template
-        return head + json.dumps(text, ensure_ascii=False) + tail
-
-
-async def sse_stream(
-    events: AsyncIterator[str],
-    error_event: Callable[[APIError], str] = APIError.sse_event,
-    last: str | None = SSE_DONE,
-) -> AsyncIterator[str]:
-    """Frame a stream: an error after the 200 becomes an event (`error_event`; by
-    default a data event), and the stream always ends with `last` ([DONE]; the
-    Responses API sends nothing after its final event)."""
-    try:
-        async for event in events:
-            yield event
-    except APIError as exc:
-        yield error_event(exc)
-    except asyncio.CancelledError:
-        raise
-    except Exception:
-        logger.exception("stream failed")
-        yield error_event(InternalError("internal error while streaming"))
-    if last is not None:
-        yield last

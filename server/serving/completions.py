@@ -11,7 +11,6 @@ from server.engine.base import (
     TokenLogprob,
 )
 from server.errors import InvalidRequestError
-from server.metrics import RequestObserver
 from server.protocol.common import draft_cap
 from server.protocol.completions import (
     CompletionChoice,
@@ -20,7 +19,6 @@ from server.protocol.completions import (
     CompletionResponse,
 )
 from server.serving.common import (
-    TextEvents,
     check_model,
     generate_all,
     json_format,
@@ -29,9 +27,13 @@ from server.serving.common import (
     now,
     resolve_max_tokens,
     speculation_summary,
-    sse,
     usage,
     validate_all,
+)
+from server.serving.observer import RequestObserver
+from server.serving.sse import (
+    TextEvents,
+    sse,
 )
 
 ENDPOINT = "/v1/completions"

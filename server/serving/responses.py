@@ -25,7 +25,6 @@ from server.engine.base import (
     SamplingOptions,
 )
 from server.errors import APIError, InvalidRequestError
-from server.metrics import RequestObserver
 from server.protocol.common import draft_cap
 from server.protocol.responses import (
     CreateResponseRequest,
@@ -47,8 +46,11 @@ from server.serving.common import (
     now,
     resolve_max_tokens,
     speculation_summary,
-    sse_stream,
     validate_all,
+)
+from server.serving.observer import RequestObserver
+from server.serving.sse import (
+    sse_stream,
 )
 from server.serving.tools import (
     Function,

@@ -1,5 +1,5 @@
 """The Dockerfile: hadolint finds nothing, and its stages keep the promises the
-README makes (CPU and GPU targets, BASE_IMAGE, non-root, HEALTHCHECK on /health,
+docs/deployment.md makes (CPU and GPU targets, BASE_IMAGE, non-root, HEALTHCHECK on /health,
 model cache volume, no build tools or caches in the final images). The real
 build and run is `make image-test` (scripts/image_test.py)."""
 

@@ -14,8 +14,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from server.auth import load_key_ring
 from server.config import Settings
+from server.traffic.api_keys import load_key_ring
 from tests.deploy.conftest import (
     CHART,
     CI_VALUES,

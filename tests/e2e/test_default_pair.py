@@ -2,7 +2,7 @@
 pair with the speculation autopilot, driven by the official `openai` client.
 
 The server runs in float32: with bf16 weights greedy text can change with the
-K of each verify step (near-ties flip, see README), and the autopilot may pick
+K of each verify step (near-ties flip, see docs/speculation.md), and the autopilot may pick
 different K for two identical requests, so only float32 makes streaming and
 non-streaming replies comparable token for token on every CPU.
 """
@@ -29,7 +29,8 @@ from agents import (
 )
 from pydantic import BaseModel
 
-from tests.net import free_port, wait_until_up
+from loadtest.launch import wait_until_up
+from tests.net import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -207,7 +208,7 @@ WEATHER_TOOL = {
 
 def test_a_required_tool_call_round_trip_and_its_stream(client: openai.OpenAI) -> None:
     # tool_choice "required": the grammar makes the call. Under "auto" this coder
-    # model writes a ```json block rather than Qwen's <tool_call> format (see README).
+    # model writes a ```json block rather than Qwen's <tool_call> format (see docs/api.md).
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     request = {
         "model": "qwen2.5-coder-1.5b-instruct",
@@ -257,7 +258,7 @@ PARIS_WEATHER = "Paris: sunny, 23 degrees Celsius"
 
 
 def test_responses_call_a_tool_and_answer_with_its_result(client: openai.OpenAI) -> None:
-    # tool_choice "required": under "auto" this model writes the call as text (see README).
+    # tool_choice "required": under "auto" this model writes the call as text (see docs/api.md).
     question = {"role": "user", "content": "What is the weather in Paris?"}
     request = {
         "model": "qwen2.5-coder-1.5b-instruct",

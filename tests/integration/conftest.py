@@ -24,10 +24,11 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
+from loadtest.launch import wait_until_up
 from server.app import create_app
 from server.engine.vllm_engine import EngineConfig, VllmEngine
 from tests import tiny_models
-from tests.net import free_port, wait_until_up
+from tests.net import free_port
 
 pytestmark = pytest.mark.integration
 

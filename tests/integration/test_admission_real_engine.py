@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from server.admission import AdmissionController
+from server.traffic.admission_queue import AdmissionController
 from tests.integration.conftest import RunningServer, TinyModels, serve, tiny_engine_config
 
 pytestmark = pytest.mark.integration

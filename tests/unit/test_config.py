@@ -9,7 +9,8 @@ from pydantic import ValidationError
 from server.config import ConfigError, Settings
 from server.engine import vllm_patches
 from server.engine.resolve import resolve
-from server.engine.vllm_engine import cpu_binding, speculation_schedule
+from server.engine.runtime import cpu_binding
+from server.engine.vllm_engine import speculation_schedule
 
 
 def test_defaults_use_the_embedded_pair_with_speculation() -> None:

@@ -2,7 +2,7 @@
 
 import asyncio
 
-from server.api.responses import until_disconnected
+from server.api.replies import until_disconnected
 from server.engine.base import GenerationRequest, SamplingOptions
 from tests.unit.scripted_engine import ScriptedEngine
 

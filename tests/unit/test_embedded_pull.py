@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from server.models import embedded
-from server.models.embedded import EmbeddedModel, ModelPullError
+from server.weights import embedded
+from server.weights.embedded import EmbeddedModel, ModelPullError
 
 CHUNKS = [b"alpha-" * 100, b"beta-" * 50, b"gamma"]
 DATA = b"".join(CHUNKS)

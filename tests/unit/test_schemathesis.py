@@ -17,11 +17,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import uvicorn
 
 from server.app import create_app
 from tests.net import free_port
 from tests.unit.scripted_engine import ScriptedEngine
+
+pytestmark = pytest.mark.fuzz
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,10 @@ from pydantic import BaseModel
 
 from server.protocol.chat import ChatChunkChoice, ChatCompletionChunk, ChatDelta
 from server.protocol.completions import CompletionChoice, CompletionResponse
-from server.serving.common import TextEvents, sse
+from server.serving.sse import (
+    TextEvents,
+    sse,
+)
 
 TEXTS = [
     "",

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.engine.vllm_engine import _finish_reason, speculation_stats
+from server.engine.vllm_outputs import finish_reason, speculation_stats
 from server.errors import EngineUnavailableError, InternalError
 
 
@@ -13,7 +13,7 @@ from server.errors import EngineUnavailableError, InternalError
     [("stop", "stop"), ("length", "length"), ("repetition", "stop"), (None, None)],
 )
 def test_finish_reasons_use_openai_vocabulary(reason: str | None, mapped: str | None) -> None:
-    assert _finish_reason(reason) == mapped
+    assert finish_reason(reason) == mapped
 
 
 @pytest.mark.parametrize(
@@ -21,7 +21,7 @@ def test_finish_reasons_use_openai_vocabulary(reason: str | None, mapped: str | 
 )
 def test_engine_failures_become_errors(reason: str, error: type[Exception]) -> None:
     with pytest.raises(error):
-        _finish_reason(reason)
+        finish_reason(reason)
 
 
 def test_speculation_histogram_folds_into_per_position_counts_and_steps_by_k() -> None:

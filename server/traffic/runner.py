@@ -19,10 +19,10 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from server.admission import AdmissionController
-from server.auth import ApiKeys
 from server.config import ConfigError
-from server.lifecycle import Lifecycle
+from server.traffic.admission_queue import AdmissionController
+from server.traffic.api_keys import ApiKeys
+from server.traffic.lifecycle import Lifecycle
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""How a prepared request becomes an HTTP response: JSON or an SSE stream,
+"""How a prepared request, or an error, becomes an HTTP response: JSON or an SSE stream,
 and what happens when the client leaves first."""
 
 import asyncio
@@ -8,14 +8,22 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from server.errors import APIError
 from server.protocol.chat import ChatCompletionResponse
 from server.protocol.common import ErrorResponse
 from server.protocol.completions import CompletionResponse
 from server.protocol.responses import ResponseObject
-from server.serving.common import sse_stream
+from server.serving.sse import (
+    sse_stream,
+)
 
 T = TypeVar("T")
 GenerationResult = CompletionResponse | ChatCompletionResponse | ResponseObject
+
+
+def error_response(error: APIError) -> JSONResponse:
+    """An error before any byte of the reply was sent: its status, headers and OpenAI body."""
+    return JSONResponse(error.to_body(), status_code=error.status, headers=error.headers)
 
 
 def error_responses(*statuses: int | str) -> dict[int | str, dict[str, Any]]:

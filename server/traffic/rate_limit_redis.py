@@ -23,7 +23,7 @@ from redis.exceptions import RedisError
 
 from server.errors import OverloadedError
 from server.metrics import RATE_LIMIT_STORE_FAILURES, REFUSED
-from server.rate_limit import Bucket, TenantLimits, headers, refuse_if_empty
+from server.traffic.rate_limit import Bucket, TenantLimits, headers, refuse_if_empty
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,145 @@
+"""vLLM's requests and outputs on the engine contract (engine/base.py): the SamplingParams of a
+request's options, and each RequestOutput's choices, logprobs, finish reasons, token times and
+speculation counts. Imports vllm only inside functions, as the adapter does.
+"""
+
+import time
+from collections import Counter
+from typing import Any
+
+from server.engine.base import (
+    ChoiceDelta,
+    SamplingOptions,
+    SpeculationStats,
+    TokenLogprob,
+    TokenTimes,
+)
+from server.errors import EngineUnavailableError, InternalError, InvalidRequestError
+
+
+def sampling_params(options: SamplingOptions, stream: bool = True) -> Any:
+    """vLLM's SamplingParams for a request's options; what vLLM refuses is a 400."""
+    from vllm.exceptions import VLLMClientError
+    from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+    structured = None
+    if options.json_format is not None:
+        schema = options.json_format.schema
+        structured = StructuredOutputsParams(
+            json=schema, json_object=None if schema is not None else True
+        )
+    try:
+        return SamplingParams(
+            n=options.n,
+            temperature=options.temperature,
+            top_p=options.top_p,
+            max_tokens=options.max_tokens,
+            stop=list(options.stop),
+            seed=options.seed,
+            logprobs=options.logprobs,
+            presence_penalty=options.presence_penalty,
+            frequency_penalty=options.frequency_penalty,
+            logit_bias=None if options.logit_bias is None else dict(options.logit_bias),
+            structured_outputs=structured,
+            # A reply not streamed is wanted whole: no output per step, none of the work
+            # each costs this process (vLLM's own server does the same).
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+            extra_args=scheduler_args(options),
+        )
+    except (ValueError, VLLMClientError) as exc:
+        raise InvalidRequestError(str(exc)) from exc
+
+
+def choice(
+    completion: Any, top_count: int | None, speculation: SpeculationStats | None, tokenizer: Any
+) -> ChoiceDelta:
+    """One of vLLM's completion outputs as a contract ChoiceDelta."""
+    return ChoiceDelta(
+        index=completion.index,
+        text=completion.text,
+        token_ids=list(completion.token_ids),
+        logprobs=None if top_count is None else _logprobs(completion, top_count, tokenizer),
+        finish_reason=finish_reason(completion.finish_reason),
+        speculation=speculation,
+    )
+
+
+def _logprobs(completion: Any, top_count: int, tokenizer: Any) -> list[TokenLogprob]:
+    entries = []
+    for token_id, alternatives in zip(completion.token_ids, completion.logprobs, strict=True):
+        chosen = alternatives[token_id]
+        ranked = sorted(alternatives.items(), key=lambda item: item[1].rank or 0)
+        entries.append(
+            TokenLogprob(
+                token=_token_text(tokenizer, token_id, chosen.decoded_token),
+                logprob=chosen.logprob,
+                top=[
+                    (_token_text(tokenizer, tid, lp.decoded_token), lp.logprob)
+                    for tid, lp in ranked[:top_count]
+                ],
+            )
+        )
+    return entries
+
+
+def _token_text(tokenizer: Any, token_id: int, decoded: str | None) -> str:
+    if decoded is not None:
+        return decoded
+    return str(tokenizer.decode([token_id]))
+
+
+def scheduler_args(options: SamplingOptions) -> dict[str, Any] | None:
+    """What the autopilot scheduler reads from a request (vLLM carries it as extra_args)."""
+    if options.max_draft_tokens is None:
+        return None
+    from server.engine.autopilot_scheduler import MAX_DRAFT_TOKENS_ARG
+
+    return {MAX_DRAFT_TOKENS_ARG: options.max_draft_tokens}
+
+
+def token_times(stats: Any) -> TokenTimes | None:
+    """The first and last token times of vLLM's request stats (the engine core's
+    time.monotonic()) on this process's time.perf_counter() clock; None without them."""
+    if stats is None or not stats.first_token_ts:
+        return None
+    offset = time.perf_counter() - time.monotonic()
+    return TokenTimes(stats.first_token_ts + offset, stats.last_token_ts + offset)
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """vLLM's reasons in OpenAI's vocabulary; its failures become errors."""
+    if reason == "error":
+        raise InternalError("the engine failed this request; retry it")
+    if reason == "abort":
+        raise EngineUnavailableError("the engine aborted this request; retry it")
+    if reason == "repetition":
+        return "stop"
+    return reason
+
+
+def speculation_stats(metrics: Any, tokens: int) -> SpeculationStats:
+    """Fold vLLM's per-sequence histogram of accepted draft counts per step.
+
+    `tokens` is the sequence's output length: its first token comes from the
+    prefill, each verify step gives its accepted drafts plus one, and every
+    other step (K=0) gives one token.
+    """
+    histogram: list[int] = list(metrics.histogram)
+    accepted = sum(j * count for j, count in enumerate(histogram))
+    # Acceptance is a prefix: a step with j accepted tokens accepted positions 0..j-1.
+    per_position = [
+        sum(histogram[j] for j in range(pos + 1, len(histogram)))
+        for pos in range(metrics.num_spec_tokens)
+    ]
+    drafts = sum(histogram)
+    steps_by_k = Counter(metrics.per_step_drafted)
+    idle_steps = tokens - 1 - (accepted + drafts)
+    if idle_steps > 0:
+        steps_by_k[0] = idle_steps
+    return SpeculationStats(
+        drafts=drafts,
+        draft_tokens=metrics.num_draft_tokens,
+        accepted_tokens=accepted,
+        accepted_per_position=per_position,
+        steps_by_k=dict(steps_by_k),
+    )
