@@ -55,8 +55,10 @@ KINDS = {int: "integer", float: "number", str: "text", Path: "path", bool: "flag
 
 def _values(field: FieldInfo) -> str:
     """What a value may be: a Literal's choices in backticks, else the kind of value."""
+    annotation = field.annotation
+    parts = (annotation,) if typing.get_origin(annotation) is typing.Literal else None
     values = []
-    for part in typing.get_args(field.annotation) or (field.annotation,):
+    for part in parts or typing.get_args(annotation) or (annotation,):
         if typing.get_origin(part) is typing.Literal:
             values += [f"`{choice}`" for choice in typing.get_args(part)]
         elif part in KINDS:

@@ -21,6 +21,8 @@ from pathlib import Path
 from server.engine import vllm_patches, vllm_source
 
 _PIN = re.compile(r"^(vllm(?:-cpu)?)==([\w.]+)")
+# Wide enough for the longest patch name, so the report lines up.
+NAME_WIDTH = max(len(patch.name) for patch in vllm_patches.PATCHES) + 1
 
 
 def pins(pyproject: Path) -> list[tuple[str, str]]:
@@ -70,15 +72,16 @@ def check(distribution: str, version: str, cache: Path) -> tuple[list[str], bool
     found = vllm_patches.missing(source, distribution)
     for patch in vllm_patches.PATCHES:
         if patch.name not in found:
-            lines.append(f"  {patch.name:<16} n/a ({patch.distribution} only)")
+            lines.append(f"  {patch.name:<{NAME_WIDTH}} n/a ({patch.distribution} only)")
             continue
         lacking = found[patch.name]
         ok &= not lacking
-        lines.append(f"  {patch.name:<16} {'OK' if not lacking else 'LACKS ' + ', '.join(lacking)}")
+        status = "OK" if not lacking else "LACKS " + ", ".join(lacking)
+        lines.append(f"  {patch.name:<{NAME_WIDTH}} {status}")
     runner = vllm_source.check_hook(source, vllm_patches.RUNNER_CHOICE)
     ok &= not runner
     lines.append(
-        f"  {'runner choice':<16} {'OK' if not runner else 'LACKS ' + ', '.join(runner)} "
+        f"  {'runner choice':<{NAME_WIDTH}} {'OK' if not runner else 'LACKS ' + ', '.join(runner)} "
         f"({vllm_patches.RUNNER_CHOICE} reads {vllm_patches.RUNNER_VARIABLE}: the engine pins "
         "the V1 runner for the V1-runner patches where vLLM would pick V2)"
     )

@@ -10,7 +10,7 @@ import pytest
 
 from server.engine import autopilot_scheduler, logit_bias, vllm_patches, vllm_source
 from server.engine.base import SamplingOptions
-from server.engine.vllm_engine import EngineConfig, VllmEngine
+from server.engine.vllm_outputs import sampling_params
 from server.protocol.common import MAX_LOGIT_BIAS
 from tests.unit.scripted_engine import ScriptedEngine
 
@@ -110,19 +110,10 @@ async def test_chat_has_no_best_of(client: httpx.AsyncClient) -> None:
     assert error["param"] == "best_of"
 
 
-def _config() -> EngineConfig:
-    return EngineConfig(
-        model="m", served_model_name="m", draft_model="d", speculative_method="draft_model",
-        num_speculative_tokens=3, speculation_max_batch_size=1, max_model_len=None,
-        dtype="float32", seed=0, kv_cache_gib=2, max_num_seqs=16,
-    )  # fmt: skip
-
-
 def test_the_bias_reaches_vllm_sampling_params() -> None:
     options = SamplingOptions(max_tokens=4, logit_bias=MappingProxyType({5: -100.0}))
-    params = VllmEngine(_config())._sampling_params(options)
-    assert params.logit_bias == {5: -100.0}
-    assert VllmEngine(_config())._sampling_params(SamplingOptions(max_tokens=4)).logit_bias is None
+    assert sampling_params(options).logit_bias == {5: -100.0}
+    assert sampling_params(SamplingOptions(max_tokens=4)).logit_bias is None
 
 
 def test_a_plugin_allowlist_without_ours_keeps_vllms_refusal(
