@@ -13,6 +13,8 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "specserve" / "models"
+# The speculative methods that run a draft model (hybrid: the draft and lookups).
+DRAFT_METHODS = ("hybrid", "draft_model")
 
 # Fixed mode (measured on the embedded pair on a 2-core CPU, docs/speculation.md):
 # K=2 has the best batch-1 speed of K=1..3, and at a batch of 2
@@ -21,6 +23,9 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 2
 DEFAULT_SPECULATION_MAX_BATCH_SIZE = 1
 # Auto mode: the largest K the autopilot may pick; it picks per step (0 included).
 DEFAULT_MAX_SPECULATIVE_TOKENS_AUTO = 4
+# Hybrid: a looked-up run verified in one step, and the reply index's size (docs/speculation.md).
+DEFAULT_LOOKUP_MAX_TOKENS = 8
+DEFAULT_LOOKUP_INDEX_TOKENS = 65536
 # The trimmed draft head: what auto keeps on a CPU, and the least a user may ask for
 # (fewer ids leave even common words out; see docs/benchmarks.md, "Trimmed draft head").
 AUTO_DRAFT_VOCAB = 32768
@@ -113,10 +118,27 @@ class Settings(BaseSettings):
         "vocabulary, the whole head on a GPU (untested there); `none`: the whole head. "
         "`/health` shows the head and how often a request's own ids were proposed.",
     )
-    speculative_method: Literal["draft_model", "ngram"] = Field(
-        "draft_model",
-        description="draft_model uses --draft-model; ngram proposes tokens by "
-        "prompt lookup and needs no draft.",
+    speculative_method: Literal["hybrid", "draft_model", "ngram"] = Field(
+        "hybrid",
+        description="hybrid: each request's continuation is looked up in its own prompt and "
+        "reply and in its tenant's earlier replies, proposed for free (no forward pass) where "
+        "it is expected to beat the draft model, and drafted by --draft-model otherwise; "
+        "needs the autopilot's scheduler (else draft_model). draft_model: --draft-model "
+        "alone. ngram: vLLM's prompt lookup alone, no draft.",
+    )
+    lookup_max_tokens: int = Field(
+        DEFAULT_LOOKUP_MAX_TOKENS,
+        ge=1,
+        description="hybrid: the most looked-up tokens a request verifies per step (the "
+        "autopilot verifies fewer where its measured verify cost and the lookup's measured "
+        "acceptance say they do not pay).",
+    )
+    lookup_index_tokens: int = Field(
+        DEFAULT_LOOKUP_INDEX_TOKENS,
+        ge=0,
+        description="hybrid: tokens of recent replies kept for lookups, over all tenants "
+        "(each tenant is proposed only its own; the oldest reply goes first; about 100 bytes "
+        "a token); 0: lookups in each request's own prompt and reply only.",
     )
     speculation: Literal["auto", "fixed"] = Field(
         "auto",
@@ -347,7 +369,7 @@ class Settings(BaseSettings):
             self.model is not None
             and self.draft_model is None
             and not self.no_speculation
-            and self.speculative_method == "draft_model"
+            and self.speculative_method in DRAFT_METHODS
         ):
             raise ValueError(
                 "a custom model needs --draft-model, --speculative-method ngram or --no-speculation"

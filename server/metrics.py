@@ -168,6 +168,24 @@ DRAFT_CAUGHT_UP_TOKENS = Counter(
     "Tokens the draft prefilled when speculation resumed after K=0 steps",
     ["model"],
 )  # fmt: skip
+# Acceptance by source: rate(..._accepted_tokens_by_source_total[5m])
+#   / rate(..._draft_tokens_by_source_total[5m]), per source.
+SPEC_SOURCE_DRAFT_TOKENS = Counter(
+    "specserve_spec_decode_draft_tokens_by_source_total",
+    "Proposed tokens the target verified, by source (draft: the draft model; lookup: looked "
+    "up in the request's context or its tenant's earlier replies, --speculative-method hybrid)",
+    ["model", "source"],
+)  # fmt: skip
+SPEC_SOURCE_ACCEPTED_TOKENS = Counter(
+    "specserve_spec_decode_accepted_tokens_by_source_total",
+    "Proposed tokens the target accepted, by source (draft or lookup)",
+    ["model", "source"],
+)  # fmt: skip
+LOOKUP_INDEX_TOKENS = Gauge(
+    "specserve_lookup_index_tokens",
+    "Tokens of recent replies held for lookups (--lookup-index-tokens bounds it)",
+    ["model"],
+)  # fmt: skip
 VLLM_PATCH_FAILURES = Counter(
     "specserve_vllm_patch_failures_total",
     "Engine processes where a specserve patch of vLLM raised and was handed back to vLLM's "

@@ -38,11 +38,18 @@ class AcceptanceTracker:
     """
 
     def __init__(
-        self, k_max: int, half_life_steps: float = 16.0, prior_strength: float = 2.0
+        self,
+        k_max: int,
+        half_life_steps: float = 16.0,
+        prior_strength: float = 2.0,
+        prior_rate: float = _PRIOR_RATE,
     ) -> None:
         if k_max < 0 or half_life_steps <= 0 or prior_strength <= 0:
             raise ValueError("k_max must be >= 0, half_life_steps and prior_strength > 0")
+        if not 0.0 <= prior_rate <= 1.0:
+            raise ValueError(f"prior_rate must be in [0, 1], got {prior_rate}")
         self._k_max = k_max
+        self._prior_rate = prior_rate
         self._decay = 0.5 ** (1.0 / half_life_steps)
         self._prior_strength = prior_strength
         self._overall = _Counts([0.0] * k_max, [0.0] * k_max)
@@ -64,13 +71,13 @@ class AcceptanceTracker:
         """k_max conditional rates, overall or for one request (unknown requests get overall).
 
         Each rate is its counts blended with prior_strength pseudo-counts of a prior: overall,
-        position p's prior is position p-1's rate (0.5 for the first), so a position never
+        position p's prior is position p-1's rate (prior_rate for the first), so a position never
         reached carries the last reached one's rate forward; a request's position p's prior is
         the traffic's rate at p.
         """
         s = self._prior_strength
         overall: list[float] = []
-        prior = _PRIOR_RATE
+        prior = self._prior_rate
         for reached, accepted in zip(self._overall.reached, self._overall.accepted, strict=True):
             prior = (accepted + s * prior) / (reached + s)
             overall.append(prior)

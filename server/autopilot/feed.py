@@ -91,6 +91,13 @@ class AutopilotFeed:
             for reason, steps in report["zero_steps_by_reason"].items():
                 child = metrics.SPECULATION_IDLE_STEPS.labels(model, reason)
                 self._count(child, ("reason", reason), steps)
+            for source, counts in report.get("verified_by_source", {}).items():
+                child = metrics.SPEC_SOURCE_DRAFT_TOKENS.labels(model, source)
+                self._count(child, ("source_verified", source), counts["verified"])
+                child = metrics.SPEC_SOURCE_ACCEPTED_TOKENS.labels(model, source)
+                self._count(child, ("source_accepted", source), counts["accepted"])
+            if "lookup_index_tokens" in report:
+                metrics.LOOKUP_INDEX_TOKENS.labels(model).set(report["lookup_index_tokens"])
         elif report.get("source", "").startswith("patch_failures:"):
             # One report source per engine process; each patch fails at most once in one.
             for patch in report["failed"]:

@@ -14,3 +14,4 @@ class IdleReason(StrEnum):
     DISABLED = "disabled"  # no speculation on this server
     LOGIT_BIAS = "logit_bias"  # a request with logit_bias is in the step: it must get no drafts
     REQUESTED_OFF = "requested_off"  # every request asked for none (max_draft_tokens 0)
+    LOOKUP = "lookup"  # every request of the step verifies looked-up tokens: no draft needed

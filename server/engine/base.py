@@ -73,6 +73,8 @@ class GenerationRequest:
     # the end, with when its first and last tokens were made (EngineOutput.token_times): no
     # per-token output the client would never see.
     stream: bool = True
+    # Whose earlier replies the hybrid proposer may look this request's continuation up in.
+    tenant: str | None = None
 
 
 @dataclass(frozen=True)

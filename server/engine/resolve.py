@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from server.config import AUTO_DRAFT_VOCAB, ConfigError, Settings
+from server.config import AUTO_DRAFT_VOCAB, DRAFT_METHODS, ConfigError, Settings
 from server.engine.compat import check_draft_compatible, check_max_model_len, kv_cache_gib_for
 from server.engine.hardware import (
     choose_draft_quantization,
@@ -48,7 +48,7 @@ def _check_kv_cache(settings: Settings, models: list[str]) -> None:
 def _check_ranks(settings: Settings, method: str | None) -> None:
     """The engine's ranks (tensor x pipeline parallel) can start here."""
     ranks = settings.tensor_parallel_size * settings.pipeline_parallel_size
-    if settings.pipeline_parallel_size > 1 and method == "draft_model":
+    if settings.pipeline_parallel_size > 1 and method in DRAFT_METHODS:
         # vLLM 0.32 creates the drafter on the last stage only and the first stage fails
         # building its KV cache ("no attribute 'drafter'"); the draft's layers would be
         # split over the stages too.
@@ -97,10 +97,10 @@ def resolve(settings: Settings) -> EngineConfig:
         raise ConfigError(f"--tool-call-parser: {exc}") from exc
     method: str | None = None if settings.no_speculation else settings.speculative_method
     _check_ranks(settings, method)
-    draft = settings.draft_model if method == "draft_model" else None
+    draft = settings.draft_model if method in DRAFT_METHODS else None
     if settings.uses_embedded_pair:
         target = str(embedded.pull(settings.cache_dir, embedded.TARGET))
-        if draft is None and method == "draft_model":
+        if draft is None and method in DRAFT_METHODS:
             draft = str(embedded.pull(settings.cache_dir, embedded.DRAFT))
     else:
         assert settings.model is not None
@@ -130,6 +130,8 @@ def resolve(settings: Settings) -> EngineConfig:
         speculative_method=method,
         speculation_mode=settings.speculation,
         num_speculative_tokens=settings.speculative_tokens,
+        lookup_max_tokens=settings.lookup_max_tokens,
+        lookup_index_tokens=settings.lookup_index_tokens,
         speculation_max_batch_size=settings.speculation_max_batch_size,
         speculation_trace=settings.speculation_trace,
         max_model_len=settings.max_model_len,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from server.autopilot.feed import AutopilotFeed
+from server.config import DRAFT_METHODS
 from server.engine import vllm_patches, vllm_source
 from server.engine.base import (
     EngineInfo,
@@ -75,6 +76,10 @@ class EngineConfig:
     # The trimmed draft head (draft_head.py): the ranking file and how many ids it keeps.
     draft_vocab_ranking: Path | None = None
     draft_vocab_size: int | None = None
+    # Hybrid (speculative_method "hybrid"): the most looked-up tokens verified per step, and the
+    # tokens of recent replies kept for lookups.
+    lookup_max_tokens: int = 0
+    lookup_index_tokens: int = 0
 
 
 def speculation_schedule(k: int, max_batch_size: int, max_num_seqs: int) -> list[list[int]]:
@@ -86,7 +91,7 @@ def speculation_schedule(k: int, max_batch_size: int, max_num_seqs: int) -> list
 
 def kv_models(config: EngineConfig) -> list[str]:
     """The models whose layers share the KV cache: the target, then the draft."""
-    if config.speculative_method == "draft_model" and config.draft_model is not None:
+    if config.speculative_method in DRAFT_METHODS and config.draft_model is not None:
         return [config.model, config.draft_model]
     return [config.model]
 
@@ -124,6 +129,7 @@ class VllmEngine:
         logger.info("dtype %s: %s%s", choice.dtype, choice.reason, kv_note)
         patches = self._usable_patches()
         autopilot = "autopilot" in patches
+        lookups = "lookup" in patches
         # vLLM reads its settings from the environment on every access, unless cached
         # (below); an engine started before in this process may have cached them, and
         # this one's processes must see the environment as it is now.
@@ -144,7 +150,7 @@ class VllmEngine:
             tensor_parallel_size=config.tensor_parallel_size,
             pipeline_parallel_size=config.pipeline_parallel_size,
             distributed_executor_backend=config.distributed_executor_backend,
-            speculative_config=self._speculative_config(autopilot),
+            speculative_config=self._speculative_config(autopilot, lookups),
             scheduler_cls=AUTOPILOT_SCHEDULER if autopilot else None,
             # vLLM refuses per-request speculation metrics without speculation;
             # "detailed" lists each verify step's draft count (the K it used).
@@ -206,7 +212,10 @@ class VllmEngine:
         piece of the others; the autopilot's feed where its scheduler will run."""
         config = self._config
         distribution, version = vllm_distribution()
-        asked = frozenset() if config.draft_vocab_size is None else frozenset({"draft_vocab"})
+        asked = frozenset(
+            ["draft_vocab"] * (config.draft_vocab_size is not None)
+            + ["lookup"] * (config.speculative_method == "hybrid")
+        )
         patches, lines = vllm_patches.usable(
             vllm_source.installed_source(),
             distribution,
@@ -240,7 +249,13 @@ class VllmEngine:
                 "max_batch_size": config.speculation_max_batch_size,
                 "script": config.speculation_script,
                 "trace": str(trace.resolve()) if trace else None,
+                "draft_k_max": config.num_speculative_tokens,
             }
+            if "lookup" in patches:
+                settings["autopilot"]["lookup"] = {
+                    "max_tokens": config.lookup_max_tokens,
+                    "index_tokens": config.lookup_index_tokens,
+                }
         if "draft_vocab" in patches:
             settings["draft_vocab"] = {
                 "ranking": str(config.draft_vocab_ranking),
@@ -251,21 +266,29 @@ class VllmEngine:
             # The autopilot's scheduler keeps biased requests off drafts.
             logit_bias.allow_in_request_checks()
 
-    def _speculative_config(self, autopilot: bool) -> dict[str, Any] | None:
+    def _speculative_config(self, autopilot: bool, lookups: bool) -> dict[str, Any] | None:
         config = self._config
         if config.speculative_method is None:
             return None
         # With the autopilot the scheduler sets K every step; the table must
         # still exist, or vLLM pads every request to K drafts.
         cut_off = config.max_num_seqs if autopilot else config.speculation_max_batch_size
+        # vLLM's K bounds every proposal it verifies: lookups may be longer than the draft's
+        # (the scheduler keeps the draft to num_speculative_tokens).
+        k = config.num_speculative_tokens
+        if lookups:
+            k = max(k, config.lookup_max_tokens)
         spec: dict[str, Any] = {
-            "method": config.speculative_method,
-            "num_speculative_tokens": config.num_speculative_tokens,
+            # Hybrid is vLLM's draft model; specserve's scheduler adds the lookups.
+            "method": "draft_model"
+            if config.speculative_method == "hybrid"
+            else config.speculative_method,
+            "num_speculative_tokens": k,
             "num_speculative_tokens_per_batch_size": speculation_schedule(
-                config.num_speculative_tokens, cut_off, config.max_num_seqs
+                k, cut_off, config.max_num_seqs
             ),
         }
-        if config.speculative_method == "draft_model":
+        if config.speculative_method in DRAFT_METHODS:
             spec["model"] = config.draft_model
             if config.draft_quantization is not None:
                 spec["quantization"] = config.draft_quantization
@@ -388,7 +411,7 @@ class VllmEngine:
 
         if self._llm is None:
             raise EngineUnavailableError("the engine is not running")
-        params = sampling_params(request.sampling, request.stream)
+        params = sampling_params(request.sampling, request.stream, request.tenant)
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
         stream = self._llm.generate(prompt, params, request.request_id)
         finished = False

@@ -17,7 +17,9 @@ from server.engine.base import (
 from server.errors import EngineUnavailableError, InternalError, InvalidRequestError
 
 
-def sampling_params(options: SamplingOptions, stream: bool = True) -> Any:
+def sampling_params(
+    options: SamplingOptions, stream: bool = True, tenant: str | None = None
+) -> Any:
     """vLLM's SamplingParams for a request's options; what vLLM refuses is a 400."""
     from vllm.exceptions import VLLMClientError
     from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -44,7 +46,7 @@ def sampling_params(options: SamplingOptions, stream: bool = True) -> Any:
             # A reply not streamed is wanted whole: no output per step, none of the work
             # each costs this process (vLLM's own server does the same).
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
-            extra_args=scheduler_args(options),
+            extra_args=scheduler_args(options, tenant),
         )
     except (ValueError, VLLMClientError) as exc:
         raise InvalidRequestError(str(exc)) from exc
@@ -88,13 +90,16 @@ def _token_text(tokenizer: Any, token_id: int, decoded: str | None) -> str:
     return str(tokenizer.decode([token_id]))
 
 
-def scheduler_args(options: SamplingOptions) -> dict[str, Any] | None:
+def scheduler_args(options: SamplingOptions, tenant: str | None) -> dict[str, Any] | None:
     """What the autopilot scheduler reads from a request (vLLM carries it as extra_args)."""
-    if options.max_draft_tokens is None:
-        return None
-    from server.engine.autopilot_scheduler import MAX_DRAFT_TOKENS_ARG
+    from server.engine.autopilot_scheduler import MAX_DRAFT_TOKENS_ARG, TENANT_ARG
 
-    return {MAX_DRAFT_TOKENS_ARG: options.max_draft_tokens}
+    args: dict[str, Any] = {}
+    if options.max_draft_tokens is not None:
+        args[MAX_DRAFT_TOKENS_ARG] = options.max_draft_tokens
+    if tenant is not None:
+        args[TENANT_ARG] = tenant
+    return args or None
 
 
 def token_times(stats: Any) -> TokenTimes | None:

@@ -208,6 +208,31 @@ PATCHES: tuple[Patch, ...] = (
         ),
     ),
     Patch(
+        "lookup",
+        "proposals looked up in the prompt and in the tenant's earlier replies (the hybrid; "
+        "otherwise the draft model alone)",
+        (
+            Hook(
+                "vllm.v1.core.sched.scheduler",
+                "Scheduler",
+                members=("running", "structured_output_manager", "_free_request"),
+            ),
+            Hook(
+                "vllm.v1.structured_output",
+                "StructuredOutputManager.validate_tokens",
+                ("request", "spec_tokens"),
+            ),
+            Hook(
+                "vllm.v1.request",
+                "Request",
+                members=("all_token_ids", "output_token_ids", "is_prefill_chunk", "num_tokens"),
+            ),
+        ),
+        needs=("autopilot",),
+        speculation_only=True,
+        only_when_asked=True,
+    ),
+    Patch(
         "logit_bias",
         "logit_bias with speculation on (otherwise a 400)",
         (

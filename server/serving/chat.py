@@ -110,7 +110,7 @@ def prepare(
         json_format=(tools.grammar() if tools else None) or json_format(body.response_format),
     )
     chat_id = new_id("chatcmpl")
-    request = GenerationRequest(chat_id, token_ids, sampling, stream=body.stream)
+    request = GenerationRequest(chat_id, token_ids, sampling, stream=body.stream, tenant=tenant)
     validate_all(engine, [request])
     observer = RequestObserver(model, ENDPOINT, arrival, tenant)
     return PreparedChat(chat_id, now(), model, body, request, observer, deadline, tools)

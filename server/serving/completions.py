@@ -88,7 +88,9 @@ def prepare(
             max_draft_tokens=draft_cap(body.speculation),
         )
         requests.append(
-            GenerationRequest(f"{completion_id}-{position}", token_ids, sampling, body.stream)
+            GenerationRequest(
+                f"{completion_id}-{position}", token_ids, sampling, body.stream, tenant
+            )
         )
         if body.echo:
             echo_texts.append(prompt if isinstance(prompt, str) else engine.decode(prompt))

@@ -124,7 +124,7 @@ def prepare(
         max_draft_tokens=draft_cap(body.speculation),
     )
     response_id = new_id("resp", "_")
-    request = GenerationRequest(response_id, token_ids, sampling, stream=body.stream)
+    request = GenerationRequest(response_id, token_ids, sampling, stream=body.stream, tenant=tenant)
     with _named_for_responses():
         validate_all(engine, [request])
     observer = RequestObserver(model, ENDPOINT, arrival, tenant)

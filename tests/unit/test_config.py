@@ -16,7 +16,7 @@ from server.engine.vllm_engine import speculation_schedule
 def test_defaults_use_the_embedded_pair_with_speculation() -> None:
     settings = Settings()
     assert settings.uses_embedded_pair
-    assert settings.speculative_method == "draft_model"
+    assert settings.speculative_method == "hybrid"
     assert not settings.no_speculation
 
 
