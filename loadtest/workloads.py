@@ -2,7 +2,8 @@
 
 Each bundled workload has a character that decides how much speculation can
 help: code completion, fill in the middle and structured output repeat what
-the prompt already holds (drafts are accepted often), prose is open-ended
+the prompt already holds (drafts are accepted often), code edits mostly repeat
+the prompt's code (lookups propose it for free), prose is open-ended
 (accepted rarely). `structured` asks for JSON under `response_format` (a JSON
 schema or JSON mode), `fim` sends code with a hole (`suffix`), so both run
 through the grammar and fill-in-the-middle paths.
@@ -92,6 +93,40 @@ CODING_CHAT = _chat(
         "Write a bash one-liner that counts the lines of every .py file in a folder.",
         "Write a Python function that merges two sorted lists into one sorted list.",
         "Show how to use a Python dataclass for a 2D point with a distance method.",
+    ],
+)
+
+_EDITED_CODE = [
+    "def average(values):\n    total = 0\n    for v in values:\n        total += v\n"
+    "    return total / len(values)\n\n\ndef median(values):\n    ordered = sorted(values)\n"
+    "    middle = len(ordered) // 2\n    if len(ordered) % 2:\n        return ordered[middle]\n"
+    "    return (ordered[middle - 1] + ordered[middle]) / 2\n",
+    "class Account:\n    def __init__(self, owner, balance=0):\n        self.owner = owner\n"
+    "        self.balance = balance\n\n    def deposit(self, amount):\n"
+    "        self.balance += amount\n        return self.balance\n\n"
+    "    def withdraw(self, amount):\n        if amount > self.balance:\n"
+    '            raise ValueError("insufficient funds")\n        self.balance -= amount\n'
+    "        return self.balance\n",
+    "import json\n\n\ndef load_users(path):\n    with open(path) as f:\n"
+    '        data = json.load(f)\n    users = []\n    for item in data["users"]:\n'
+    '        if item.get("active"):\n            users.append(item["name"])\n    return users\n',
+    "def count_words(text):\n    counts = {}\n    for word in text.split():\n"
+    '        word = word.lower().strip(".,!?")\n        if word in counts:\n'
+    "            counts[word] += 1\n        else:\n            counts[word] = 1\n"
+    "    return counts\n",
+]
+
+# Edits of code the prompt holds: the reply repeats most of it (what prompt lookups propose).
+CODE_EDIT = _chat(
+    "code-edit",
+    [
+        f"{task}\n\n```python\n{code}```"
+        for code in _EDITED_CODE
+        for task in (
+            "Add type hints to this code. Reply with the whole updated code only.",
+            "Rename every variable to a more descriptive name in this code. Reply with the "
+            "whole updated code only.",
+        )
     ],
 )
 
@@ -249,6 +284,7 @@ FIM = [
 
 BUNDLED: dict[str, list[WorkItem]] = {
     "code-completion": CODE_COMPLETION,
+    "code-edit": CODE_EDIT,
     "coding-chat": CODING_CHAT,
     "fim": FIM,
     "prose": PROSE,

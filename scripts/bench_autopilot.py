@@ -6,7 +6,9 @@ The `specserve serve` configurations on the default pair:
 - no-spec: `--no-speculation`
 - auto:    the default: the autopilot picks K per engine step, with the default draft
            (`--draft-quantization auto`, `--draft-vocab auto`: on a CPU with int8 dot
-           products the int8 draft with its head trimmed to 32k ids)
+           products the int8 draft with its head trimmed to 32k ids) and lookups
+           (`--speculative-method hybrid`)
+- auto-draft-only: auto with the draft alone (`--speculative-method draft_model`)
 - auto-vocab-16k, auto-vocab-64k: auto with the head trimmed to 16,384 or 65,536 ids
            (`--draft-vocab N`), beside the default's 32,768
 - auto-int8-full-head: auto with `--draft-quantization int8 --draft-vocab none`
@@ -75,6 +77,7 @@ from loadtest.workloads import BUNDLED
 
 CONFIGS = (
     "auto",
+    "auto-draft-only",
     "auto-vocab-16k",
     "auto-vocab-64k",
     "auto-int8-full-head",
@@ -85,6 +88,7 @@ CONFIGS = (
 AUTO_CONFIGS = tuple(c for c in CONFIGS if c.startswith("auto"))
 DRAFT_FLAGS = {
     "auto": [],
+    "auto-draft-only": ["--speculative-method", "draft_model"],
     "auto-vocab-16k": ["--draft-vocab", "16384"],
     "auto-vocab-64k": ["--draft-vocab", "65536"],
     "auto-int8-full-head": ["--draft-quantization", "int8", "--draft-vocab", "none"],
@@ -215,17 +219,19 @@ def paired_table(out: Path) -> str:
         'speculation off (`{"speculation": {"max_draft_tokens": 0}}`: K=0, the draft idle), '
         "geometric mean of the per-round ratios of alternating rounds (ABBA) and its 95% "
         "interval; auto / best fixed = auto's ratio over the larger of fixed-2's and "
-        f"fixed-4's. ⚠: auto's interval lies below {AUTO_FLOOR}x, or auto / best fixed below "
-        f"{BEST_FLOOR}. K=0 tok/s from the auto server's K=0 side; acceptance rate / mean "
-        "acceptance length and K mix from each auto configuration's speculating side; "
+        "fixed-4's; auto / draft-only = auto's ratio over auto-draft-only's (the ratio of two "
+        f"servers' ratios, no interval). ⚠: auto's interval lies below {AUTO_FLOOR}x, auto / "
+        f"draft-only below {AUTO_FLOOR}, or auto / best fixed below {BEST_FLOOR}. K=0 tok/s "
+        "from the auto server's K=0 side; acceptance rate / mean acceptance length and K "
+        "mix from each auto configuration's speculating side; "
         "identical text: greedy replies equal to the same server's K=0 ones "
         f"({' / '.join(CONFIGS)}); failed: requests of every side.",
         "",
         f"| workload | concurrency | K=0 tok/s | {' | '.join(f'{c} / K=0' for c in CONFIGS)} | "
-        "auto / best fixed | "
+        "auto / best fixed | auto / draft-only | "
         f"{' | '.join(f'{c} acceptance / length | {c} K mix' for c in AUTO_CONFIGS)} | "
         "identical text | failed |",
-        "|---|---|---|" + "---|" * (len(CONFIGS) + 1 + 2 * len(AUTO_CONFIGS)) + "---|---|",
+        "|---|---|---|" + "---|" * (len(CONFIGS) + 2 + 2 * len(AUTO_CONFIGS)) + "---|---|",
     ]
     for (workload, concurrency), runs in sorted(cells.items()):
         results = {c: runs[c]["paired_speedup"] if c in runs else None for c in CONFIGS}
@@ -233,6 +239,8 @@ def paired_table(out: Path) -> str:
         flag = " ⚠" if auto and auto["high"] is not None and auto["high"] < AUTO_FLOOR else ""
         fixed = [r["speedup"] for c, r in results.items() if c.startswith("fixed-") and r]
         vs_best = ratio(auto["speedup"], max(fixed)) if auto and fixed else None
+        draft_only = results["auto-draft-only"]
+        vs_draft = ratio(auto["speedup"], draft_only["speedup"]) if auto and draft_only else None
         sides = {c: runs[c]["servers"] for c in CONFIGS if c in runs}
         plain = sides["auto"]["off"]["summary"]["output_throughput"] if "auto" in sides else None
         speculation = [
@@ -246,7 +254,8 @@ def paired_table(out: Path) -> str:
         columns = [f"{paired(auto)}{flag}", *(paired(results[c]) for c in CONFIGS[1:])]
         lines.append(
             f"| {workload} | {concurrency} | {fmt(plain)} | {' | '.join(columns)} | "
-            f"{_mark(vs_best, BEST_FLOOR)} | {' | '.join(speculation)} | {identical} | {failed} |"
+            f"{_mark(vs_best, BEST_FLOOR)} | {_mark(vs_draft, AUTO_FLOOR)} | "
+            f"{' | '.join(speculation)} | {identical} | {failed} |"
         )
     return "\n".join(lines) + "\n" + _cost_table(out)
 
@@ -262,11 +271,14 @@ def _cost_table(out: Path) -> str:
         "step s: the fitted plain target step at one request; verify s / token: what one "
         "more verified token adds to a step; acceptance by position: the autopilot's "
         "estimate; own-id proposals: the trimmed head's proposals of a request's own ids "
-        "outside the kept ones, of all its proposals.",
+        "outside the kept ones, of all its proposals; accepted / verified by source: proposed "
+        "tokens over the whole run (both sides, every workload), from the draft and from "
+        "lookups, and the lookups' cost per engine step.",
         "",
         "| configuration | draft s / position | plain step s | draft / plain | "
-        "verify s / token | acceptance by position | own-id proposals |",
-        "|---|---|---|---|---|---|---|",
+        "verify s / token | acceptance by position | own-id proposals | "
+        "draft accepted / verified | lookup accepted / verified | lookup µs / step |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for config in AUTO_CONFIGS:
         path = out / "paired" / config / "health.json"
@@ -280,9 +292,17 @@ def _cost_table(out: Path) -> str:
             if "draft_head_proposals" in state
             else "-"
         )
+        sources = state.get("verified_by_source", {})
+        by_source = [
+            f"{s['accepted']} / {s['verified']}" if (s := sources.get(source)) else "-"
+            for source in ("draft", "lookup")
+        ]
+        lookup_seconds = state.get("lookup_seconds_per_step")
         lines.append(
             f"| {config} | {fmt(draft, 4)} | {fmt(plain, 4)} | {fmt(ratio(draft, plain))} | "
-            f"{fmt(state.get('verify_seconds_per_token'), 4)} | {rates} | {own} |"
+            f"{fmt(state.get('verify_seconds_per_token'), 4)} | {rates} | {own} | "
+            f"{' | '.join(by_source)} | "
+            f"{fmt(None if lookup_seconds is None else lookup_seconds * 1e6, 1)} |"
         )
     return "\n".join(lines) + "\n"
 

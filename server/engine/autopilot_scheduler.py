@@ -170,7 +170,8 @@ class AutopilotScheduler(Scheduler):
         lookup = self._lookup
         assert lookup is not None
         started = time.perf_counter()
-        price = self._verify_price(len(self.running))
+        batch = len(self.running)
+        price = self._verify_price(batch)
         chosen: dict[str, Proposal] = {}
         for request in self.running:
             request_id = request.request_id
@@ -192,9 +193,7 @@ class AutopilotScheduler(Scheduler):
             if proposal is None:
                 continue
             length = lookup.worth_verifying(proposal, price)
-            drafts = len(request.spec_token_ids)
-            draft_tokens = tokens_by_k(self._acceptance.position_rates(request_id), drafts)[-1]
-            if length == 0 or lookup.expected_tokens(proposal, length) <= draft_tokens:
+            if length == 0 or not self._lookup_wins(request, proposal, length, batch):
                 continue
             tokens = self.structured_output_manager.validate_tokens(
                 request, proposal.tokens[:length]
@@ -205,6 +204,21 @@ class AutopilotScheduler(Scheduler):
         self._lookup_seconds += time.perf_counter() - started
         self._lookup_rounds += 1
         return chosen
+
+    def _lookup_wins(self, request: Any, proposal: Proposal, length: int, batch: int) -> bool:
+        """Whether verifying the lookup's first `length` tokens is expected to make this
+        request's tokens faster than the draft's proposal (none where the draft idled). Each
+        side's step is priced as if the whole batch did the same: a step of lookups alone
+        runs no draft pass, and the draft's passes are what a lookup saves."""
+        assert self._lookup is not None
+        drafts = len(request.spec_token_ids)
+        draft_tokens = tokens_by_k(self._acceptance.position_rates(request.request_id), drafts)[-1]
+        lookup_tokens = self._lookup.expected_tokens(proposal, length)
+        if not self._cost.ready:
+            return lookup_tokens > draft_tokens
+        cost = self._cost
+        lookup_seconds = cost.predict(batch, 0) + cost.verify_seconds_per_token() * length
+        return lookup_tokens / lookup_seconds > draft_tokens / cost.predict(batch, drafts)
 
     def _verify_price(self, batch: int) -> float:
         """One more verified token's cost, in the output tokens a plain step of this batch
