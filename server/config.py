@@ -137,7 +137,7 @@ class Settings(BaseSettings):
         DEFAULT_LOOKUP_INDEX_TOKENS,
         ge=0,
         description="hybrid: tokens of recent replies kept for lookups, over all tenants "
-        "(each tenant is proposed only its own; the oldest reply goes first; about 100 bytes "
+        "(each tenant is proposed only its own; the oldest reply goes first; about 140 bytes "
         "a token); 0: lookups in each request's own prompt and reply only.",
     )
     speculation: Literal["auto", "fixed"] = Field(

@@ -175,3 +175,22 @@ async def test_docs_need_a_key_like_the_api_unless_public(path: str) -> None:
             assert (await client.get(path)).status_code == status_without_key
             keyed = await client.get(path, headers=bearer("sk-beta-9876543210"))
             assert keyed.status_code == 200
+
+
+async def test_the_engine_is_told_each_request_s_tenant() -> None:
+    """The hybrid proposer looks a request up only in its own tenant's replies."""
+    engine = ScriptedEngine()
+    app = create_app(engine, api_keys=ApiKeys(KeyRing(KEYS)))
+    bodies = {
+        "/v1/completions": BODY,
+        "/v1/chat/completions": {
+            "model": "scripted", "messages": [{"role": "user", "content": "a b"}], "max_tokens": 2
+        },
+        "/v1/responses": {"model": "scripted", "input": "a b", "max_output_tokens": 16},
+    }  # fmt: skip
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        for path, body in bodies.items():
+            response = await client.post(path, json=body, headers=bearer("sk-alpha-0123456789"))
+            assert response.status_code == 200, response.text
+            assert engine.requests[-1].tenant == "team-a", path

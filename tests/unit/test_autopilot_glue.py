@@ -42,8 +42,13 @@ async def test_reports_reach_the_metrics_as_counter_growth(
         assert feed.idle_reasons() == Counter(not_paying=3)
         before = feed.idle_reasons()
         # Totals are cumulative: counters grow by the difference.
+        by_source = {
+            "draft": {"verified": 40, "accepted": 30, "steps": 10},
+            "lookup": {"verified": 16, "accepted": 12, "steps": 2},
+        }
         scheduler.send({**report, "steps_by_k": {"0": 7, "2": 5}, "zero_steps_by_reason": {
-            "not_paying": 4, "batch_too_large": 3}})  # fmt: skip
+            "not_paying": 4, "batch_too_large": 3}, "verified_by_source": by_source,
+            "lookup_index_tokens": 512})  # fmt: skip
         feed.drain()
         assert feed.idle_reasons() - before == Counter(batch_too_large=3, not_paying=1)
         model = {"model": "feed-model"}
@@ -55,6 +60,16 @@ async def test_reports_reach_the_metrics_as_counter_growth(
         assert _value("specserve_draft_caught_up_tokens_total", **model) == 4
         reasons = {"reason": "batch_too_large", **model}
         assert _value("specserve_speculation_idle_steps_total", **reasons) == 3
+        for source, verified, accepted in (("draft", 40, 30), ("lookup", 16, 12)):
+            labels = {"source": source, **model}
+            assert (
+                _value("specserve_spec_decode_draft_tokens_by_source_total", **labels) == verified
+            )
+            assert (
+                _value("specserve_spec_decode_accepted_tokens_by_source_total", **labels)
+                == accepted
+            )
+        assert _value("specserve_lookup_index_tokens", **model) == 512
     finally:
         feed.close()
 

@@ -111,7 +111,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- fail "apiKeys.enabled needs apiKeys.keys or apiKeys.existingSecret" }}
 {{- end }}
 {{- $ranks := mul (int .Values.engine.tensorParallelSize) (int .Values.engine.pipelineParallelSize) }}
-{{- if and (gt (int .Values.engine.pipelineParallelSize) 1) .Values.speculation.enabled (eq .Values.speculation.method "draft_model") }}
+{{- if and (gt (int .Values.engine.pipelineParallelSize) 1) .Values.speculation.enabled (ne .Values.speculation.method "ngram") }}
 {{- fail "engine.pipelineParallelSize above 1 cannot run a draft model (vLLM builds it on the last stage only): split over GPUs with engine.tensorParallelSize, or use speculation.method=ngram" }}
 {{- end }}
 {{- if .Values.multiNode.enabled }}
@@ -133,7 +133,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if and .Values.model.draft (eq .Values.speculation.method "ngram") }}
 {{- fail "model.draft is set but speculation.method is ngram: choose one" }}
 {{- end }}
-{{- if and .Values.model.target (not .Values.model.draft) .Values.speculation.enabled (eq .Values.speculation.method "draft_model") }}
+{{- if and .Values.model.target (not .Values.model.draft) .Values.speculation.enabled (ne .Values.speculation.method "ngram") }}
 {{- fail "a custom model.target needs model.draft, speculation.method=ngram or speculation.enabled=false" }}
 {{- end }}
 {{- end }}
