@@ -11,20 +11,18 @@ measured: the step's duration and shape (cost model) and each request's
 accepted draft prefix (acceptance). Totals go to the front end
 through `autopilot_report`.
 
-With the hybrid proposer (`--speculative-method hybrid`) the scheduler also looks each decoding
-request's continuation up in its own context and in its tenant's earlier replies
-(`server.autopilot.lookup`) before vLLM schedules the step. A lookup replaces the draft's
-proposal for that request when it is expected to give more tokens, and is cut to the tokens worth
-verifying at this machine's verify cost; a step whose requests all verify lookups idles the draft
-(reason "lookup"), which catches up when it is needed again. Lookup steps stay out of what the
-controller measures of the draft (its acceptance, its end-to-end comparison).
+With the hybrid proposer (`--speculative-method hybrid`) lookups (scheduler_lookups.py) may
+replace the draft's proposals before vLLM schedules the step; a step whose requests all verify
+lookups idles the draft (reason "lookup"), which catches up when it is needed again, and lookup
+steps stay out of what the controller measures of the draft (its acceptance, its end-to-end
+comparison).
 
 The mode comes from the engine's settings (`vllm_patches.settings()`): "auto"
 (the controller), "fixed" (K up to a batch-size cut-off, as vLLM's static
 table) and "script" (a forced K sequence, for the losslessness tests). In
 every mode a step holding a request with `logit_bias` runs at K=0
 (`logit_bias.py` says why), and a request's own `max_draft_tokens` (vLLM's
-extra_args, `MAX_DRAFT_TOKENS_ARG`) caps its drafts: a step whose requests all
+extra_args, `request_args.MAX_DRAFT_TOKENS_ARG`) caps its drafts: a step whose requests all
 ask for none idles the draft. The policy itself is
 pure and imports no vLLM. An exception in this glue turns speculation off for
 the rest of the run (`vllm_patches.contained`) instead of killing the engine.
@@ -41,25 +39,20 @@ from typing import Any, TextIO
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from server.autopilot.acceptance import AcceptanceTracker, expected_tokens_per_step, tokens_by_k
+from server.autopilot.acceptance import AcceptanceTracker, expected_tokens_per_step
 from server.autopilot.cost_model import CostModel, StepRecord
 from server.autopilot.idle import IdleReason
-from server.autopilot.lookup import Lookup, Proposal
 from server.autopilot.policy import Controller, Decision, RequestState
 from server.engine import vllm_patches
 from server.engine.autopilot_report import Reporter
+from server.engine.request_args import CALIBRATION_PREFIX, draft_cap, has_logit_bias
+from server.engine.scheduler_lookups import SchedulerLookups, Verified
 
 logger = logging.getLogger(__name__)
 
 
 def _contained(fallback: Any) -> Any:
     return vllm_patches.contained("autopilot", fallback)
-
-
-# Requests the engine sends at startup to calibrate the cost model.
-CALIBRATION_PREFIX = "specserve-calibrate-"
-MAX_DRAFT_TOKENS_ARG = "specserve_max_draft_tokens"  # a request's cap, in extra_args
-TENANT_ARG = "specserve_tenant"  # whose replies a request may be proposed, in extra_args
 
 
 def parse_script(text: str) -> list[int]:
@@ -69,22 +62,6 @@ def parse_script(text: str) -> list[int]:
         k, _, count = item.partition("x")
         steps.extend([int(k)] * int(count or 1))
     return steps
-
-
-def _has_logit_bias(request: Any) -> bool:
-    params = request.sampling_params  # None only for pooling requests
-    return params is not None and bool(params.logit_bias)
-
-
-def _extra_arg(request: Any, name: str) -> Any:
-    params = request.sampling_params
-    extra = params.extra_args if params is not None else None
-    return extra.get(name) if extra else None
-
-
-def _draft_cap(request: Any) -> int | None:
-    cap = _extra_arg(request, MAX_DRAFT_TOKENS_ARG)
-    return None if cap is None else int(cap)
 
 
 class AutopilotScheduler(Scheduler):
@@ -110,21 +87,20 @@ class AutopilotScheduler(Scheduler):
         self._cost = CostModel()
         self._acceptance = AcceptanceTracker(self._k_max)
         self._controller = Controller(self._k_max, self._cost, self._acceptance)
+        self._draft_verified = Verified()  # the draft's proposals the target verified
         lookup = settings.get("lookup")
         # Under async scheduling drafts travel as placeholders the scheduler does not fill.
         on = lookup is not None and not self.scheduler_config.async_scheduling
-        self._lookup = (
-            Lookup(min(lookup["max_tokens"], self.num_spec_tokens), lookup["index_tokens"])
+        self._lookups = (
+            SchedulerLookups(
+                min(lookup["max_tokens"], self.num_spec_tokens),
+                lookup["index_tokens"],
+                self._cost,
+                self._acceptance,
+            )
             if on
             else None
         )
-        self._lookup_step: dict[str, Proposal] = {}  # request id -> the lookup it verifies
-        # source -> [verified tokens, accepted tokens, verify steps]; lookups also by origin
-        self._by_source: dict[str, list[int]] = {
-            source: [0, 0, 0] for source in ("draft", "lookup", "prompt", "replies")
-        }
-        self._lookup_seconds = 0.0  # spent finding lookups
-        self._lookup_rounds = 0  # schedule() calls that looked up
         self._decision: Decision | None = None
         # request id -> positions its draft has seen (mirrors draft_sync's catch-up)
         self._draft_seen: dict[str, int] = {}
@@ -146,100 +122,25 @@ class AutopilotScheduler(Scheduler):
             "specserve: speculation %s, K up to %d%s",
             self._mode,
             self._k_max,
-            f", lookups up to {self._lookup.max_tokens} tokens" if self._lookup else "",
+            f", lookups up to {self._lookups.max_tokens} tokens" if self._lookups else "",
         )
-        if lookup is not None and self._lookup is None:
+        if lookup is not None and self._lookups is None:
             logger.warning("specserve: no lookups under vLLM's async scheduling; the draft alone")
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        lookups = self._propose_lookups() if self._lookup is not None else {}
+        lookups = self._lookups
+        if lookups is not None:
+            lookups.propose(self.running, self.structured_output_manager.validate_tokens)
         output = super().schedule(*args, **kwargs)
-        spec = output.scheduled_spec_decode_tokens
-        self._lookup_step = {r: proposal for r, proposal in lookups.items() if spec.get(r)}
+        if lookups is not None:
+            lookups.scheduled(output.scheduled_spec_decode_tokens)
         self._steer(output)
         return output
 
-    def _no_lookups(self) -> dict[str, Proposal]:
-        self._lookup = None
-        return {}
-
-    @vllm_patches.contained("lookup", _no_lookups)
-    def _propose_lookups(self) -> dict[str, Proposal]:
-        """Each decoding request's lookup, where it beats the draft's proposal, into its
-        spec_token_ids (what vLLM schedules next); request id -> the lookup."""
-        lookup = self._lookup
-        assert lookup is not None
-        started = time.perf_counter()
-        batch = len(self.running)
-        price = self._verify_price(batch)
-        chosen: dict[str, Proposal] = {}
-        for request in self.running:
-            request_id = request.request_id
-            if (
-                request.is_prefill_chunk
-                or request.num_computed_tokens != request.num_tokens - 1
-                or request_id.startswith(CALIBRATION_PREFIX)
-                or _has_logit_bias(request)
-            ):
-                continue
-            cap = lookup.max_tokens
-            own_cap = _draft_cap(request)
-            if own_cap is not None:
-                cap = min(cap, own_cap)
-            if cap <= 0:
-                continue
-            tenant = _extra_arg(request, TENANT_ARG)
-            proposal = lookup.find(request_id, tenant, request.all_token_ids, cap)
-            if proposal is None:
-                continue
-            length = lookup.worth_verifying(proposal, price)
-            if length == 0 or not self._lookup_wins(request, proposal, length, batch):
-                continue
-            tokens = self.structured_output_manager.validate_tokens(
-                request, proposal.tokens[:length]
-            )
-            if tokens:
-                request.spec_token_ids = tokens
-                chosen[request_id] = proposal
-        self._lookup_seconds += time.perf_counter() - started
-        self._lookup_rounds += 1
-        return chosen
-
-    def _lookup_wins(self, request: Any, proposal: Proposal, length: int, batch: int) -> bool:
-        """Whether verifying the lookup's first `length` tokens is expected to make this
-        request's tokens faster than the draft's proposal (none where the draft idled). Each
-        side's step is priced as if the whole batch did the same: a step of lookups alone
-        runs no draft pass, and the draft's passes are what a lookup saves."""
-        assert self._lookup is not None
-        drafts = len(request.spec_token_ids)
-        draft_tokens = tokens_by_k(self._acceptance.position_rates(request.request_id), drafts)[-1]
-        lookup_tokens = self._lookup.expected_tokens(proposal, length)
-        if not self._cost.ready:
-            return lookup_tokens > draft_tokens
-        cost = self._cost
-        lookup_seconds = cost.predict(batch, 0) + cost.verify_seconds_per_token() * length
-        return lookup_tokens / lookup_seconds > draft_tokens / cost.predict(batch, drafts)
-
-    def _verify_price(self, batch: int) -> float:
-        """One more verified token's cost, in the output tokens a plain step of this batch
-        makes in that time (0 until the cost model is ready: verify what is found)."""
-        if not self._cost.ready or batch == 0:
-            return 0.0
-        return self._cost.verify_seconds_per_token() * batch / self._cost.predict(batch, 0)
-
     def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
-        if self._lookup is not None:
-            self._lookup_finished(request)
+        if self._lookups is not None:
+            self._lookups.finished(request)
         return super()._free_request(request, *args, **kwargs)
-
-    @vllm_patches.contained("lookup", _no_lookups)
-    def _lookup_finished(self, request: Any) -> None:
-        """A request left the engine: its reply joins its tenant's index (calibration's
-        requests have no tenant)."""
-        assert self._lookup is not None
-        self._lookup.finish(
-            request.request_id, _extra_arg(request, TENANT_ARG), request.output_token_ids
-        )
 
     def _speculation_off(self, output: Any) -> None:
         """The safe mode once the autopilot failed: no drafts for the rest of the run (a
@@ -268,7 +169,7 @@ class AutopilotScheduler(Scheduler):
 
     def _request_caps(self, request_ids: list[str]) -> dict[str, int]:
         """The requests that set their own cap on drafts, and the cap."""
-        return {r: c for r in request_ids if (c := _draft_cap(self.requests[r])) is not None}
+        return {r: c for r in request_ids if (c := draft_cap(self.requests[r])) is not None}
 
     def _draft_behind(self, output: Any) -> dict[str, int]:
         """Positions each scheduled request's draft would have to catch up on this step
@@ -298,7 +199,7 @@ class AutopilotScheduler(Scheduler):
     ) -> Decision:
         """The step's decision; scheduled: the tokens each request computes in it."""
         request_ids = list(scheduled)
-        if any(_has_logit_bias(self.requests[r]) for r in request_ids):
+        if any(has_logit_bias(self.requests[r]) for r in request_ids):
             # vLLM's rejection sampler does not add logit_bias at verified draft positions, so
             # no draft may reach a biased request: nothing is proposed at the end of its steps,
             # and each of its tokens is the plain sampler's, with the bias (see logit_bias.py).
@@ -315,7 +216,7 @@ class AutopilotScheduler(Scheduler):
             self._calibration_steps[batch] += 1
             k = self._calibration_cycle[step % len(self._calibration_cycle)]
             return Decision(k=k, reason=None if k else IdleReason.CALIBRATING, probing=True)
-        if self._lookup_step and len(self._lookup_step) == len(request_ids):
+        if self._lookups is not None and self._lookups.serve_all(request_ids):
             # Every request verifies a lookup, expected to continue next step: no draft needed.
             return Decision(k=0, reason=IdleReason.LOOKUP)
         if self._mode == "fixed":
@@ -403,18 +304,11 @@ class AutopilotScheduler(Scheduler):
             generated += tokens
             if drafts and tokens:
                 verified_total += drafts
-                looked_up = self._lookup_step.get(request_id)
-                sources = ["draft"]
-                if looked_up is not None and self._lookup is not None:
-                    self._lookup.observe(looked_up, drafts, tokens - 1)
-                    sources = ["lookup", looked_up.origin]
-                else:
+                if self._lookups is None or not self._lookups.observe(
+                    request_id, drafts, tokens - 1
+                ):
                     self._acceptance.observe(request_id, drafts, tokens - 1)
-                for source in sources:
-                    counts = self._by_source[source]
-                    counts[0] += drafts
-                    counts[1] += tokens - 1
-                    counts[2] += 1
+                    self._draft_verified.add(drafts, tokens - 1)
         step = StepRecord(
             duration=duration,
             batch_size=len(scheduler_output.num_scheduled_tokens),
@@ -425,7 +319,8 @@ class AutopilotScheduler(Scheduler):
         )
         self._cost.observe(step)
         # What the controller measures is the draft's doing; a lookup step's is not.
-        if self._mode == "auto" and self._cost.ready and not self._lookup_step:
+        looked_up = self._lookups is not None and self._lookups.in_step()
+        if self._mode == "auto" and self._cost.ready and not looked_up:
             plain = decision.k == 0 and verified_total == 0
             probe_related = decision.probing or (verified_total > 0 and self._verified_probe)
             if plain or not probe_related:
@@ -439,7 +334,7 @@ class AutopilotScheduler(Scheduler):
             previous = self._measured_speedup
             self._measured_speedup = speedup if previous is None else 0.9 * previous + 0.1 * speedup
             steady = decision.k > 0 and not decision.probing and decision.k == self._verified_k
-            steady = steady and not self._lookup_step
+            steady = steady and not looked_up
             if self._mode == "auto" and steady and not step.caught_up_tokens:
                 self._controller.realised(decision.predicted_speedup, speedup, step.batch_size)
         self._verified_k = decision.k  # what the next step verifies
@@ -466,7 +361,7 @@ class AutopilotScheduler(Scheduler):
             "reason": decision.reason,
             "probing": decision.probing,
             "predicted_speedup": decision.predicted_speedup,
-            "lookups": len(self._lookup_step),
+            "lookups": self._lookups.in_step() if self._lookups is not None else 0,
             "predicted_seconds_by_k": [
                 self._cost.predict(step.batch_size, k) for k in range(self._k_max + 1)
             ]
@@ -525,27 +420,10 @@ class AutopilotScheduler(Scheduler):
                 # position reads as a fraction of it.
                 "plain_step_seconds": self._cost.predict(1, 0) if self._cost.ready else None,
                 "step_spread_by_shape": self._cost.spread(),
-                "verified_by_source": self._verified_by(("draft", "lookup")),
-                **self._lookup_report(),
+                "verified_by_source": {
+                    "draft": self._draft_verified.as_dict(),
+                    **(self._lookups.verified() if self._lookups is not None else {}),
+                },
+                **(self._lookups.report() if self._lookups is not None else {}),
             }
         )
-
-    def _verified_by(self, sources: tuple[str, ...]) -> dict[str, dict[str, int]]:
-        return {
-            source: dict(
-                zip(("verified", "accepted", "steps"), self._by_source[source], strict=True)
-            )
-            for source in sources
-        }
-
-    def _lookup_report(self) -> dict[str, Any]:
-        lookup = self._lookup
-        if lookup is None:
-            return {}
-        rounds = max(self._lookup_rounds, 1)
-        return {
-            "lookup_by_origin": self._verified_by(("prompt", "replies")),
-            "lookup_seconds_per_step": self._lookup_seconds / rounds,
-            "lookup_index_tokens": lookup.replies.tokens,
-            "lookup_index_replies": lookup.replies.replies,
-        }

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from server.autopilot.feed import AutopilotFeed
+from server.engine.request_args import CALIBRATION_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +40,6 @@ async def calibrate(
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-    from server.engine import autopilot_scheduler
-
     started = time.perf_counter()
     # Tokens for one whole cycle (each K held two steps) even where every draft is accepted.
     cycle_tokens = (k_max + 1) * (k_max + 2)
@@ -57,7 +56,7 @@ async def calibrate(
     batched = TokensPrompt(prompt_token_ids=tokenize(CALIBRATION_BATCH_PROMPT))
 
     async def run(index: int, prompt: TokensPrompt, cycles: int) -> None:
-        request_id = f"{autopilot_scheduler.CALIBRATION_PREFIX}{index}"
+        request_id = f"{CALIBRATION_PREFIX}{index}"
         async for _ in llm.generate(prompt, params(cycles), request_id):
             pass
 

@@ -14,6 +14,7 @@ from server.engine.base import (
     TokenLogprob,
     TokenTimes,
 )
+from server.engine.request_args import MAX_DRAFT_TOKENS_ARG, TENANT_ARG
 from server.errors import EngineUnavailableError, InternalError, InvalidRequestError
 
 
@@ -92,8 +93,6 @@ def _token_text(tokenizer: Any, token_id: int, decoded: str | None) -> str:
 
 def scheduler_args(options: SamplingOptions, tenant: str | None) -> dict[str, Any] | None:
     """What the autopilot scheduler reads from a request (vLLM carries it as extra_args)."""
-    from server.engine.autopilot_scheduler import MAX_DRAFT_TOKENS_ARG, TENANT_ARG
-
     args: dict[str, Any] = {}
     if options.max_draft_tokens is not None:
         args[MAX_DRAFT_TOKENS_ARG] = options.max_draft_tokens

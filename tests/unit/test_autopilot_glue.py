@@ -15,9 +15,10 @@ from prometheus_client import REGISTRY
 from server.autopilot.acceptance import AcceptanceTracker
 from server.autopilot.feed import AutopilotFeed
 from server.autopilot.idle import IdleReason
-from server.autopilot.lookup import Lookup, Proposal
-from server.engine import autopilot_scheduler, vllm_patches, vllm_source
+from server.autopilot.lookup import Proposal
+from server.engine import autopilot_scheduler, request_args, vllm_patches, vllm_source
 from server.engine.autopilot_report import Reporter
+from server.engine.scheduler_lookups import SchedulerLookups, Verified
 from server.engine.vllm_engine import EngineConfig, VllmEngine
 
 
@@ -163,7 +164,7 @@ def _capped_scheduler(caps: dict[str, int | None]) -> autopilot_scheduler.Autopi
     scheduler.requests = {
         r: SimpleNamespace(
             sampling_params=SimpleNamespace(
-                extra_args=None if cap is None else {autopilot_scheduler.MAX_DRAFT_TOKENS_ARG: cap}
+                extra_args=None if cap is None else {request_args.MAX_DRAFT_TOKENS_ARG: cap}
             )
         )
         for r, cap in caps.items()
@@ -238,9 +239,8 @@ def _observing_scheduler(mode: str) -> Any:
     scheduler._verified_k = 0
     scheduler._verified_probe = False
     scheduler._trace = None
-    scheduler._lookup = None
-    scheduler._lookup_step = {}
-    scheduler._by_source = {s: [0, 0, 0] for s in ("draft", "lookup", "prompt", "replies")}
+    scheduler._lookups = None
+    scheduler._draft_verified = Verified()
     return scheduler
 
 
@@ -348,40 +348,34 @@ def _request(request_id: str, tokens: list[int], **fields: Any) -> SimpleNamespa
     return request
 
 
-def _lookup_scheduler(requests: list[SimpleNamespace]) -> Any:
-    scheduler = object.__new__(autopilot_scheduler.AutopilotScheduler)
-    scheduler.running = requests
-    scheduler.requests = {r.request_id: r for r in requests}
-    scheduler.structured_output_manager = SimpleNamespace(
-        validate_tokens=lambda request, tokens: tokens
-    )
-    scheduler._lookup = Lookup(max_tokens=8, index_tokens=1000)
-    scheduler._cost = SimpleNamespace(ready=False)
-    scheduler._acceptance = AcceptanceTracker(4)
-    scheduler._lookup_seconds = 0.0
-    scheduler._lookup_rounds = 0
-    return scheduler
+def _lookups(tracker: AcceptanceTracker | None = None) -> SchedulerLookups:
+    """Lookups of up to 8 tokens before the cost model is ready (no verify price)."""
+    cost: Any = SimpleNamespace(ready=False)
+    return SchedulerLookups(8, 1000, cost, tracker or AcceptanceTracker(4))
+
+
+def _propose(lookups: SchedulerLookups, requests: list[SimpleNamespace]) -> dict[str, Proposal]:
+    return lookups.propose(requests, lambda request, tokens: tokens)
 
 
 COPY = [*range(100, 140), 7, *range(100, 120)]  # a reply copying its prompt's code
 
 
 def test_lookups_go_to_decoding_requests_that_may_have_them() -> None:
-    tenant = {autopilot_scheduler.TENANT_ARG: "t"}
+    tenant = {request_args.TENANT_ARG: "t"}
     requests = [
         _request("copy", COPY, extra_args=tenant),
         _request("new", list(range(200, 260))),  # nothing repeats
         _request("chunk", COPY, is_prefill_chunk=True),
         _request("biased", COPY, sampling_params=SimpleNamespace(logit_bias={5: 1.0})),
-        _request(f"{autopilot_scheduler.CALIBRATION_PREFIX}0", COPY),
-        _request("off", COPY, extra_args={autopilot_scheduler.MAX_DRAFT_TOKENS_ARG: 0}),
-        _request("two", COPY, extra_args={autopilot_scheduler.MAX_DRAFT_TOKENS_ARG: 2}),
+        _request(f"{request_args.CALIBRATION_PREFIX}0", COPY),
+        _request("off", COPY, extra_args={request_args.MAX_DRAFT_TOKENS_ARG: 0}),
+        _request("two", COPY, extra_args={request_args.MAX_DRAFT_TOKENS_ARG: 2}),
     ]
-    scheduler = _lookup_scheduler(requests)
-    chosen = scheduler._propose_lookups()
+    chosen = _propose(_lookups(), requests)
     assert {r: p.match_length for r, p in chosen.items()} == {"copy": 20, "two": 20}
-    assert scheduler.requests["copy"].spec_token_ids == list(range(120, 128))
-    assert scheduler.requests["two"].spec_token_ids == [120, 121]
+    assert requests[0].spec_token_ids == list(range(120, 128))
+    assert requests[-1].spec_token_ids == [120, 121]
     assert all(r.spec_token_ids == [] for r in requests if r.request_id not in chosen)
 
 
@@ -389,14 +383,15 @@ def test_a_good_draft_keeps_a_request_a_weak_lookup_would_take() -> None:
     draft = [90, 91, 92, 93]
     # The context ends in a three-token coincidence: bucket prior 0.3 per position.
     weak = _request("weak", [5, 6, 7, 8, 9, 1, 2, 3, 5, 6, 7], spec_token_ids=list(draft))
-    scheduler = _lookup_scheduler([weak])
+    tracker = AcceptanceTracker(4)
     for _ in range(20):
-        scheduler._acceptance.observe("weak", 4, 4)  # the draft's are all accepted
-    assert scheduler._propose_lookups() == {}
+        tracker.observe("weak", 4, 4)  # the draft's are all accepted
+    lookups = _lookups(tracker)
+    assert _propose(lookups, [weak]) == {}
     assert weak.spec_token_ids == draft
     # Without drafts (the draft idled) the same lookup is worth verifying.
     weak.spec_token_ids = []
-    assert [p.match_length for p in scheduler._propose_lookups().values()] == [3]
+    assert [p.match_length for p in _propose(lookups, [weak]).values()] == [3]
     assert weak.spec_token_ids == [8, 9, 1, 2, 3, 5, 6, 7]
 
 
@@ -405,26 +400,32 @@ def test_a_step_whose_requests_all_verify_lookups_idles_the_draft() -> None:
     scheduler._mode = "auto"
     for request in scheduler.requests.values():
         request.sampling_params.logit_bias = None
-    found = Proposal([1, 2], 20, "prompt")
-    scheduler._lookup_step = {"a": found, "b": found}
+    lookups = _lookups()
+    _propose(lookups, [_request("a", COPY), _request("b", COPY)])
+    lookups.scheduled({"a": [1], "b": [1]})
+    scheduler._lookups = lookups
     decision = scheduler._decide({"a": 9, "b": 9}, {"a": 0, "b": 0}, {})
     assert (decision.k, decision.reason) == (0, IdleReason.LOOKUP)
+    lookups.scheduled({"a": [1]})  # vLLM could not fit b's: b needs the draft
+    assert not lookups.serve_all(["a", "b"])
 
 
 def test_lookup_steps_teach_the_lookup_and_not_the_draft_s_controller() -> None:
     scheduler = _observing_scheduler("auto")
-    scheduler._lookup = Lookup(max_tokens=8, index_tokens=0)
-    scheduler._lookup_step = {"r": Proposal([0] * 8, 20, "replies")}
+    lookups = _lookups()
+    (proposal,) = _propose(lookups, [_request("r", COPY)]).values()
+    lookups.scheduled({"r": proposal.tokens})
+    scheduler._lookups = lookups
     output = SimpleNamespace(
         num_scheduled_tokens={"r": 9}, scheduled_spec_decode_tokens={"r": [0] * 8}
     )
     runner = SimpleNamespace(sampled_token_ids=[[7] * 6], req_id_to_index={"r": 0})
     decision = autopilot_scheduler.Decision(k=0, reason=IdleReason.LOOKUP)
     scheduler._observe(output, runner, 0.5, decision)
-    assert scheduler._by_source == {
-        "draft": [0, 0, 0], "lookup": [8, 5, 1], "prompt": [0, 0, 0], "replies": [8, 5, 1]
-    }  # fmt: skip
+    assert lookups.verified() == {"lookup": {"verified": 8, "accepted": 5, "steps": 1}}
+    assert lookups.report()["lookup_by_origin"]["prompt"]["accepted"] == 5
+    assert scheduler._draft_verified == Verified()
     assert scheduler._controller.end_to_end_calls == []
     assert scheduler._acceptance.position_rates() == AcceptanceTracker(4).position_rates()
     # The sixth looked-up token was rejected.
-    assert scheduler._lookup.rates(scheduler._lookup_step["r"])[5] < 0.9
+    assert lookups._lookup.rates(proposal)[5] < 0.9

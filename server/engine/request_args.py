@@ -1,0 +1,28 @@
+"""What specserve's scheduler reads of a vLLM request: the arguments the front end sends in
+`SamplingParams.extra_args` (a request's own cap on drafts, its tenant), its logit_bias, and the
+ids of the engine's own calibration requests. No vLLM import: the front end writes these too.
+"""
+
+from typing import Any
+
+# Requests the engine sends at startup to calibrate the cost model.
+CALIBRATION_PREFIX = "specserve-calibrate-"
+MAX_DRAFT_TOKENS_ARG = "specserve_max_draft_tokens"  # a request's cap, in extra_args
+TENANT_ARG = "specserve_tenant"  # whose replies a request may be proposed, in extra_args
+
+
+def extra_arg(request: Any, name: str) -> Any:
+    params = request.sampling_params  # None only for pooling requests
+    extra = params.extra_args if params is not None else None
+    return extra.get(name) if extra else None
+
+
+def draft_cap(request: Any) -> int | None:
+    """The most drafts the request asked to verify per step (None: no cap of its own)."""
+    cap = extra_arg(request, MAX_DRAFT_TOKENS_ARG)
+    return None if cap is None else int(cap)
+
+
+def has_logit_bias(request: Any) -> bool:
+    params = request.sampling_params
+    return params is not None and bool(params.logit_bias)

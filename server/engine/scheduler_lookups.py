@@ -1,0 +1,181 @@
+"""The hybrid proposer's side of the autopilot's scheduler (vLLM glue, EngineCore process).
+
+Before vLLM schedules a step, each decoding request's continuation is looked up in its own
+context and in its tenant's earlier replies (`server.autopilot.lookup`). A lookup replaces the
+draft's proposal for that request (`Request.spec_token_ids`, what vLLM schedules) where it is
+expected to make the request's tokens faster, cut to the tokens worth verifying at this
+machine's verify cost. The scheduler then idles the draft in a step whose requests all verify
+lookups, keeps lookup steps out of what its controller measures of the draft, and feeds each
+finished reply back into its tenant's index. Calibration requests, requests with logit_bias and
+requests that capped their drafts at 0 get no lookups. An exception here turns lookups off for
+the rest of the process (`vllm_patches.contained`); the draft goes on alone.
+"""
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from server.autopilot.acceptance import AcceptanceTracker, tokens_by_k
+from server.autopilot.cost_model import CostModel
+from server.autopilot.lookup import Lookup, Proposal
+from server.engine import vllm_patches
+from server.engine.request_args import (
+    CALIBRATION_PREFIX,
+    TENANT_ARG,
+    draft_cap,
+    extra_arg,
+    has_logit_bias,
+)
+
+
+@dataclass
+class Verified:
+    """Proposed tokens the target verified, how many it accepted, in how many verify steps."""
+
+    verified: int = 0
+    accepted: int = 0
+    steps: int = 0
+
+    def add(self, verified: int, accepted: int) -> None:
+        self.verified += verified
+        self.accepted += accepted
+        self.steps += 1
+
+    def as_dict(self) -> dict[str, int]:
+        return {"verified": self.verified, "accepted": self.accepted, "steps": self.steps}
+
+
+def _none(*args: Any) -> dict[str, Proposal]:
+    return {}
+
+
+def _nothing(*args: Any) -> None:
+    return None
+
+
+class SchedulerLookups:
+    """Lookups for one engine's scheduler: what it proposes, what was verified, the counts."""
+
+    def __init__(
+        self, max_tokens: int, index_tokens: int, cost: CostModel, acceptance: AcceptanceTracker
+    ) -> None:
+        self._lookup = Lookup(max_tokens, index_tokens)
+        self._cost = cost
+        self._acceptance = acceptance  # the draft's, which a lookup is weighed against
+        self._proposed: dict[str, Proposal] = {}  # this step's lookups, before vLLM schedules
+        self._step: dict[str, Proposal] = {}  # request id -> the lookup it verifies this step
+        self._by_origin = {"prompt": Verified(), "replies": Verified()}
+        self._seconds = 0.0  # spent finding lookups
+        self._rounds = 0  # steps that looked up
+
+    @property
+    def max_tokens(self) -> int:
+        return self._lookup.max_tokens
+
+    @vllm_patches.contained("lookup", _none)
+    def propose(
+        self, running: Iterable[Any], validate: Callable[[Any, list[int]], list[int]]
+    ) -> dict[str, Proposal]:
+        """Each decoding request's lookup, where it beats the draft's proposal, into its
+        spec_token_ids (`validate`: vLLM's grammar check of proposed tokens)."""
+        started = time.perf_counter()
+        requests = list(running)
+        price = self._verify_price(len(requests))
+        chosen: dict[str, Proposal] = {}
+        for request in requests:
+            request_id = request.request_id
+            if (
+                request.is_prefill_chunk
+                or request.num_computed_tokens != request.num_tokens - 1
+                or request_id.startswith(CALIBRATION_PREFIX)
+                or has_logit_bias(request)
+            ):
+                continue
+            own_cap = draft_cap(request)
+            cap = self._lookup.max_tokens if own_cap is None else min(own_cap, self.max_tokens)
+            if cap <= 0:
+                continue
+            tenant = extra_arg(request, TENANT_ARG)
+            proposal = self._lookup.find(request_id, tenant, request.all_token_ids, cap)
+            if proposal is None:
+                continue
+            length = self._lookup.worth_verifying(proposal, price)
+            if length == 0 or not self._wins(request, proposal, length, len(requests)):
+                continue
+            tokens = validate(request, proposal.tokens[:length])
+            if tokens:
+                request.spec_token_ids = tokens
+                chosen[request_id] = proposal
+        self._seconds += time.perf_counter() - started
+        self._rounds += 1
+        self._proposed = chosen
+        return chosen
+
+    def scheduled(self, spec_decode_tokens: Mapping[str, list[int]]) -> None:
+        """What vLLM scheduled of this step's lookups (a request it could not fit has none)."""
+        self._step = {r: p for r, p in self._proposed.items() if spec_decode_tokens.get(r)}
+        self._proposed = {}
+
+    def in_step(self) -> int:
+        """Requests verifying a lookup in this step."""
+        return len(self._step)
+
+    def serve_all(self, request_ids: list[str]) -> bool:
+        """Whether every request of this step verifies a lookup (the draft is not needed)."""
+        return bool(self._step) and all(r in self._step for r in request_ids)
+
+    def observe(self, request_id: str, verified: int, accepted: int) -> bool:
+        """A verify step of one request; False where its proposal was the draft's."""
+        proposal = self._step.get(request_id)
+        if proposal is None:
+            return False
+        self._lookup.observe(proposal, verified, accepted)
+        self._by_origin[proposal.origin].add(verified, accepted)
+        return True
+
+    @vllm_patches.contained("lookup", _nothing)
+    def finished(self, request: Any) -> None:
+        """A request left the engine: its reply joins its tenant's index (calibration's
+        requests have no tenant)."""
+        tenant = extra_arg(request, TENANT_ARG)
+        self._lookup.finish(request.request_id, tenant, request.output_token_ids)
+
+    def _wins(self, request: Any, proposal: Proposal, length: int, batch: int) -> bool:
+        """Whether verifying the lookup's first `length` tokens is expected to make this
+        request's tokens faster than the draft's proposal (none where the draft idled). Each
+        side's step is priced as if the whole batch did the same: a step of lookups alone
+        runs no draft pass, and the draft's passes are what a lookup saves."""
+        drafts = len(request.spec_token_ids)
+        draft_tokens = tokens_by_k(self._acceptance.position_rates(request.request_id), drafts)[-1]
+        lookup_tokens = self._lookup.expected_tokens(proposal, length)
+        cost = self._cost
+        if not cost.ready:
+            return lookup_tokens > draft_tokens
+        lookup_seconds = cost.predict(batch, 0) + cost.verify_seconds_per_token() * length
+        return lookup_tokens / lookup_seconds > draft_tokens / cost.predict(batch, drafts)
+
+    def _verify_price(self, batch: int) -> float:
+        """One more verified token's cost, in the output tokens a plain step of this batch
+        makes in that time (0 until the cost model is ready: verify what is found)."""
+        cost = self._cost
+        if not cost.ready or batch == 0:
+            return 0.0
+        return cost.verify_seconds_per_token() * batch / cost.predict(batch, 0)
+
+    def verified(self) -> dict[str, dict[str, int]]:
+        """The lookups' verified and accepted tokens, all origins together."""
+        total = Verified()
+        for counts in self._by_origin.values():
+            total.verified += counts.verified
+            total.accepted += counts.accepted
+            total.steps += counts.steps
+        return {"lookup": total.as_dict()}
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "lookup_by_origin": {o: counts.as_dict() for o, counts in self._by_origin.items()},
+            "lookup_seconds_per_step": self._seconds / max(self._rounds, 1),
+            "lookup_index_tokens": self._lookup.replies.tokens,
+            "lookup_index_replies": self._lookup.replies.replies,
+        }
