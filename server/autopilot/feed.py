@@ -15,9 +15,10 @@ import socket
 import tempfile
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from server import metrics
+from server.autopilot.reports import DraftReport, SchedulerReport
 
 logger = logging.getLogger(__name__)
 
@@ -80,35 +81,43 @@ class AutopilotFeed:
         return Counter(self.scheduler().get("zero_steps_by_reason", {}))
 
     def _publish(self, report: dict[str, Any]) -> None:
-        model = self._model
-        if report.get("source") == "scheduler":
-            metrics.SPECULATION_K_IN_FORCE.labels(model).set(report["k"])
-            metrics.SPECULATION_PREDICTED_SPEEDUP.labels(model).set(report["predicted_speedup"])
-            if report.get("measured_speedup") is not None:
-                metrics.SPECULATION_MEASURED_SPEEDUP.labels(model).set(report["measured_speedup"])
-            for k, steps in report["steps_by_k"].items():
-                self._count(metrics.SPECULATION_STEPS.labels(model, k), ("k", k), steps)
-            for reason, steps in report["zero_steps_by_reason"].items():
-                child = metrics.SPECULATION_IDLE_STEPS.labels(model, reason)
-                self._count(child, ("reason", reason), steps)
-            for source, counts in report.get("verified_by_source", {}).items():
-                child = metrics.SPEC_SOURCE_DRAFT_TOKENS.labels(model, source)
-                self._count(child, ("source_verified", source), counts["verified"])
-                child = metrics.SPEC_SOURCE_ACCEPTED_TOKENS.labels(model, source)
-                self._count(child, ("source_accepted", source), counts["accepted"])
-            if "lookup_index_tokens" in report:
-                metrics.LOOKUP_INDEX_TOKENS.labels(model).set(report["lookup_index_tokens"])
-        elif report.get("source", "").startswith("patch_failures:"):
+        source = report.get("source", "")
+        if source == "scheduler":
+            self._publish_scheduler(cast(SchedulerReport, report))
+        elif source == "draft":
+            self._publish_draft(cast(DraftReport, report))
+        elif source.startswith("patch_failures:"):
             # One report source per engine process; each patch fails at most once in one.
             for patch in report["failed"]:
-                child = metrics.VLLM_PATCH_FAILURES.labels(model, patch)
-                self._count(child, (report["source"], patch), 1)
-        elif report.get("source") == "draft":
-            passes = report["draft_forward_passes"]
-            self._count(metrics.DRAFT_FORWARD_PASSES.labels(model), ("passes", ""), passes)
-            caught_up = report["draft_caught_up_tokens"]
-            child = metrics.DRAFT_CAUGHT_UP_TOKENS.labels(model)
-            self._count(child, ("caught_up", ""), caught_up)
+                child = metrics.VLLM_PATCH_FAILURES.labels(self._model, patch)
+                self._count(child, (source, patch), 1)
+
+    def _publish_scheduler(self, report: SchedulerReport) -> None:
+        model = self._model
+        metrics.SPECULATION_K_IN_FORCE.labels(model).set(report["k"])
+        metrics.SPECULATION_PREDICTED_SPEEDUP.labels(model).set(report["predicted_speedup"])
+        measured = report.get("measured_speedup")
+        if measured is not None:
+            metrics.SPECULATION_MEASURED_SPEEDUP.labels(model).set(measured)
+        for k, steps in report["steps_by_k"].items():
+            self._count(metrics.SPECULATION_STEPS.labels(model, k), ("k", k), steps)
+        for reason, steps in report["zero_steps_by_reason"].items():
+            child = metrics.SPECULATION_IDLE_STEPS.labels(model, reason)
+            self._count(child, ("reason", reason), steps)
+        for source, counts in report.get("verified_by_source", {}).items():
+            child = metrics.SPEC_SOURCE_DRAFT_TOKENS.labels(model, source)
+            self._count(child, ("source_verified", source), counts["verified"])
+            child = metrics.SPEC_SOURCE_ACCEPTED_TOKENS.labels(model, source)
+            self._count(child, ("source_accepted", source), counts["accepted"])
+        if "lookup_index_tokens" in report:
+            metrics.LOOKUP_INDEX_TOKENS.labels(model).set(report["lookup_index_tokens"])
+
+    def _publish_draft(self, report: DraftReport) -> None:
+        model = self._model
+        passes = report["draft_forward_passes"]
+        self._count(metrics.DRAFT_FORWARD_PASSES.labels(model), ("passes", ""), passes)
+        caught_up = report["draft_caught_up_tokens"]
+        self._count(metrics.DRAFT_CAUGHT_UP_TOKENS.labels(model), ("caught_up", ""), caught_up)
 
     def _count(self, child: Any, key: tuple[str, str], total: float) -> None:
         """Counters move by the growth of the engine's cumulative total."""

@@ -12,7 +12,7 @@ The front end's receiving side is `server.autopilot.feed`.
 
 import json
 import socket
-from typing import Any
+from collections.abc import Mapping
 
 from server.engine import vllm_patches
 
@@ -29,7 +29,7 @@ class Reporter:
             self._socket.setblocking(False)
         self._unsent: bytes | None = None
 
-    def send(self, totals: dict[str, Any]) -> None:
+    def send(self, totals: Mapping[str, object]) -> None:
         if self._socket is None:
             return
         self._unsent = json.dumps({"source": self._source, **totals}).encode()

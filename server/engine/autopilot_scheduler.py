@@ -43,6 +43,7 @@ from server.autopilot.acceptance import AcceptanceTracker, expected_tokens_per_s
 from server.autopilot.cost_model import CostModel, StepRecord
 from server.autopilot.idle import IdleReason
 from server.autopilot.policy import Controller, Decision, RequestState
+from server.autopilot.reports import SchedulerReport
 from server.engine import vllm_patches
 from server.engine.autopilot_report import Reporter
 from server.engine.request_args import CALIBRATION_PREFIX, draft_cap, has_logit_bias
@@ -389,41 +390,38 @@ class AutopilotScheduler(Scheduler):
 
     def _report(self, decision: Decision | None) -> None:
         rates = self._acceptance.position_rates()
-        self._reporter.send(
-            {
-                "mode": self._mode,
-                "k": decision.k if decision else 0,
-                "reason": decision.reason if decision else None,
-                "probing": decision.probing if decision else False,
-                "predicted_speedup": decision.predicted_speedup if decision else 1.0,
-                "measured_speedup": self._measured_speedup,
-                "end_to_end_speedup_by_batch": {
-                    str(batch): speedup
-                    for batch, speedup in self._controller.end_to_end_speedups.items()
-                },
-                "realised_fraction_by_batch": {
-                    str(batch): fraction
-                    for batch, fraction in self._controller.realised_fractions.items()
-                },
-                "steps_by_k": {str(k): n for k, n in self._steps_by_k.items()},
-                "zero_steps_by_reason": dict(self._zero_steps_by_reason),
-                "acceptance_by_position": rates,
-                "expected_tokens_per_step": expected_tokens_per_step(rates, len(rates)),
-                "cost_ready": self._cost.ready,
-                "draft_seconds_per_token": self._cost.draft_seconds_per_token(1)
-                if self._cost.ready
-                else None,
-                "verify_seconds_per_token": self._cost.verify_seconds_per_token()
-                if self._cost.ready
-                else None,
-                # What one plain target step costs a lone request: the draft's price per
-                # position reads as a fraction of it.
-                "plain_step_seconds": self._cost.predict(1, 0) if self._cost.ready else None,
-                "step_spread_by_shape": self._cost.spread(),
-                "verified_by_source": {
-                    "draft": self._draft_verified.as_dict(),
-                    **(self._lookups.verified() if self._lookups is not None else {}),
-                },
-                **(self._lookups.report() if self._lookups is not None else {}),
-            }
-        )
+        report: SchedulerReport = {
+            "mode": self._mode,
+            "k": decision.k if decision else 0,
+            "reason": decision.reason if decision else None,
+            "probing": decision.probing if decision else False,
+            "predicted_speedup": decision.predicted_speedup if decision else 1.0,
+            "measured_speedup": self._measured_speedup,
+            "end_to_end_speedup_by_batch": {
+                str(batch): speedup
+                for batch, speedup in self._controller.end_to_end_speedups.items()
+            },
+            "realised_fraction_by_batch": {
+                str(batch): fraction
+                for batch, fraction in self._controller.realised_fractions.items()
+            },
+            "steps_by_k": {str(k): n for k, n in self._steps_by_k.items()},
+            "zero_steps_by_reason": dict(self._zero_steps_by_reason),
+            "acceptance_by_position": rates,
+            "expected_tokens_per_step": expected_tokens_per_step(rates, len(rates)),
+            "cost_ready": self._cost.ready,
+            "draft_seconds_per_token": self._cost.draft_seconds_per_token(1)
+            if self._cost.ready
+            else None,
+            "verify_seconds_per_token": self._cost.verify_seconds_per_token()
+            if self._cost.ready
+            else None,
+            # What one plain target step costs a lone request: the draft's price per
+            # position reads as a fraction of it.
+            "plain_step_seconds": self._cost.predict(1, 0) if self._cost.ready else None,
+            "step_spread_by_shape": self._cost.spread(),
+            "verified_by_source": {"draft": self._draft_verified.as_dict()},
+        }
+        if self._lookups is not None:
+            self._lookups.add_to(report)
+        self._reporter.send(report)

@@ -24,6 +24,7 @@ import logging
 from dataclasses import replace
 from typing import Any
 
+from server.autopilot.reports import DraftReport
 from server.engine import vllm_patches
 from server.engine.autopilot_report import Reporter
 
@@ -42,14 +43,13 @@ class DraftSync:
         self._reporter = Reporter("draft")
 
     def report(self) -> None:
-        self._reporter.send(
-            {
-                "draft_forward_passes": self.forward_passes,
-                "draft_caught_up_tokens": self.caught_up_tokens,
-                "draft_catch_up_passes": self.catch_up_passes,
-                "draft_skipped_steps": self.skipped_steps,
-            }
-        )
+        report: DraftReport = {
+            "draft_forward_passes": self.forward_passes,
+            "draft_caught_up_tokens": self.caught_up_tokens,
+            "draft_catch_up_passes": self.catch_up_passes,
+            "draft_skipped_steps": self.skipped_steps,
+        }
+        self._reporter.send(report)
 
 
 def install() -> None:

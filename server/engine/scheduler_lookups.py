@@ -19,6 +19,7 @@ from typing import Any
 from server.autopilot.acceptance import AcceptanceTracker, tokens_by_k
 from server.autopilot.cost_model import CostModel
 from server.autopilot.lookup import Lookup, Proposal
+from server.autopilot.reports import SchedulerReport, VerifiedCounts
 from server.engine import vllm_patches
 from server.engine.request_args import (
     CALIBRATION_PREFIX,
@@ -42,7 +43,7 @@ class Verified:
         self.accepted += accepted
         self.steps += 1
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> VerifiedCounts:
         return {"verified": self.verified, "accepted": self.accepted, "steps": self.steps}
 
 
@@ -163,19 +164,16 @@ class SchedulerLookups:
             return 0.0
         return cost.verify_seconds_per_token() * batch / cost.predict(batch, 0)
 
-    def verified(self) -> dict[str, dict[str, int]]:
-        """The lookups' verified and accepted tokens, all origins together."""
-        total = Verified()
-        for counts in self._by_origin.values():
-            total.verified += counts.verified
-            total.accepted += counts.accepted
-            total.steps += counts.steps
-        return {"lookup": total.as_dict()}
-
-    def report(self) -> dict[str, Any]:
-        return {
-            "lookup_by_origin": {o: counts.as_dict() for o, counts in self._by_origin.items()},
-            "lookup_seconds_per_step": self._seconds / max(self._rounds, 1),
-            "lookup_index_tokens": self._lookup.replies.tokens,
-            "lookup_index_replies": self._lookup.replies.replies,
+    def add_to(self, report: SchedulerReport) -> None:
+        """The lookups' counts into the scheduler's report: all origins together as the
+        `lookup` source, each origin, their cost per step and the reply index's size."""
+        origins = self._by_origin.values()
+        report["verified_by_source"]["lookup"] = {
+            "verified": sum(c.verified for c in origins),
+            "accepted": sum(c.accepted for c in origins),
+            "steps": sum(c.steps for c in origins),
         }
+        report["lookup_by_origin"] = {o: c.as_dict() for o, c in self._by_origin.items()}
+        report["lookup_seconds_per_step"] = self._seconds / max(self._rounds, 1)
+        report["lookup_index_tokens"] = self._lookup.replies.tokens
+        report["lookup_index_replies"] = self._lookup.replies.replies

@@ -422,8 +422,10 @@ def test_lookup_steps_teach_the_lookup_and_not_the_draft_s_controller() -> None:
     runner = SimpleNamespace(sampled_token_ids=[[7] * 6], req_id_to_index={"r": 0})
     decision = autopilot_scheduler.Decision(k=0, reason=IdleReason.LOOKUP)
     scheduler._observe(output, runner, 0.5, decision)
-    assert lookups.verified() == {"lookup": {"verified": 8, "accepted": 5, "steps": 1}}
-    assert lookups.report()["lookup_by_origin"]["prompt"]["accepted"] == 5
+    report: Any = {"verified_by_source": {}}
+    lookups.add_to(report)
+    assert report["verified_by_source"] == {"lookup": {"verified": 8, "accepted": 5, "steps": 1}}
+    assert report["lookup_by_origin"]["prompt"]["accepted"] == 5
     assert scheduler._draft_verified == Verified()
     assert scheduler._controller.end_to_end_calls == []
     assert scheduler._acceptance.position_rates() == AcceptanceTracker(4).position_rates()
