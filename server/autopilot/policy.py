@@ -34,17 +34,17 @@ _REALISED_RECOVERY = 0.002
 # that batch size.
 # - Prefill steps count on both sides less what the target's prefill costs (learnt from plain
 #   prefill steps), so that a side measured over more prefills does not read slower for it.
-# - The speculating side forgets at _SPECULATING_DECAY per step of its own (about the last 50)
-#   and at _VETO_RECOVERY per plain step: a batch size stopped after 8 steps retries after ~700
+# - The speculating side forgets at SPECULATING_DECAY per step of its own (about the last 50)
+#   and at VETO_RECOVERY per plain step: a batch size stopped after 8 steps retries after ~700
 #   plain steps, and a retry of one step recurs every ~220.
-# - The plain side forgets at _PLAIN_DECAY per plain step and at _PLAIN_STALENESS per
+# - The plain side forgets at PLAIN_DECAY per plain step and at PLAIN_STALENESS per
 #   speculating step: where speculation runs throughout, one plain step every ~220 keeps the
 #   comparison current (at a new batch size, five plain steps follow its first five).
-_SPECULATING_DECAY = 0.98
-_PLAIN_DECAY = 0.99
-_PLAIN_STALENESS = 0.999
-_VETO_MIN_STEPS = 4.0
-_VETO_RECOVERY = 0.001
+SPECULATING_DECAY = 0.98
+PLAIN_DECAY = 0.99
+PLAIN_STALENESS = 0.999
+VETO_MIN_STEPS = 4.0
+VETO_RECOVERY = 0.001
 _PREFILL_LEARNING = 0.1  # weight of each plain prefill step in the target's prefill cost
 # The machine's pace: where a settled step at a batch size (the low median of its shape's own
 # full set of samples) stays this far from when it first settled, either way, for as many new
@@ -78,7 +78,7 @@ def _pays_back(catch_up: float, tokens_left: float, baseline: float, faster: flo
 
 
 @dataclass
-class _Side:
+class Side:
     """Decayed output tokens, seconds and steps of one batch size's speculating or plain steps."""
 
     tokens: float = 0.0
@@ -181,7 +181,7 @@ class Controller:
         # batch size -> measured over predicted speedup of its steady speculating steps
         self._realised: dict[int, float] = {}
         # batch size -> its (speculating, plain) steps, see end_to_end()
-        self._end_to_end: dict[int, tuple[_Side, _Side]] = {}
+        self._end_to_end: dict[int, tuple[Side, Side]] = {}
         self._prefill_seconds_per_token: float | None = None  # the target's, at K = 0
         self._recent_batches: deque[int] = deque(maxlen=_PREFILL_LOOKBACK_STEPS)
 
@@ -302,19 +302,19 @@ class Controller:
             if self._prefill_seconds_per_token is None:
                 return
             seconds -= self._prefill_seconds_per_token * prefill_tokens
-        speculating_side, plain_side = self._end_to_end.setdefault(batch, (_Side(), _Side()))
+        speculating_side, plain_side = self._end_to_end.setdefault(batch, (Side(), Side()))
         if speculating:
-            speculating_side.add(tokens, max(seconds, MIN_STEP_SECONDS), _SPECULATING_DECAY)
-            plain_side.fade(_PLAIN_STALENESS)
+            speculating_side.add(tokens, max(seconds, MIN_STEP_SECONDS), SPECULATING_DECAY)
+            plain_side.fade(PLAIN_STALENESS)
         else:
-            plain_side.add(tokens, max(seconds, MIN_STEP_SECONDS), _PLAIN_DECAY)
-            speculating_side.fade(1.0 - _VETO_RECOVERY)
+            plain_side.add(tokens, max(seconds, MIN_STEP_SECONDS), PLAIN_DECAY)
+            speculating_side.fade(1.0 - VETO_RECOVERY)
 
     def end_to_end_speedup(self, batch: int) -> float | None:
         """Measured tokens/s speculating over tokens/s not at this batch size (None: fewer
-        than _VETO_MIN_STEPS steps of either yet)."""
+        than VETO_MIN_STEPS steps of either yet)."""
         sides = self._end_to_end.get(batch)
-        if sides is None or min(side.steps for side in sides) < _VETO_MIN_STEPS:
+        if sides is None or min(side.steps for side in sides) < VETO_MIN_STEPS:
             return None
         speculating, plain = sides
         if not plain.tokens:
@@ -333,7 +333,7 @@ class Controller:
         if sides is None:
             return False
         speculating, plain = sides
-        return speculating.steps >= _VETO_MIN_STEPS and plain.steps < _VETO_MIN_STEPS
+        return speculating.steps >= VETO_MIN_STEPS and plain.steps < VETO_MIN_STEPS
 
     def realised_fraction(self, batch: int) -> float:
         """What predicted speedups at this batch size are scaled by: the realised fraction, at

@@ -42,6 +42,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from server.autopilot.acceptance import AcceptanceTracker, expected_tokens_per_step
 from server.autopilot.cost_model import CostModel, StepRecord
 from server.autopilot.idle import IdleReason
+from server.autopilot.lookup import LookupVeto
 from server.autopilot.policy import Controller, Decision, RequestState
 from server.autopilot.reports import SchedulerReport
 from server.engine import vllm_patches
@@ -98,6 +99,7 @@ class AutopilotScheduler(Scheduler):
                 lookup["index_tokens"],
                 self._cost,
                 self._acceptance,
+                LookupVeto() if self._mode == "auto" else None,
             )
             if on
             else None
@@ -297,6 +299,7 @@ class AutopilotScheduler(Scheduler):
         spec = scheduler_output.scheduled_spec_decode_tokens
         sampled = runner_output.sampled_token_ids
         verified_total = prefill_tokens = generated = 0
+        drafted = False  # the draft's proposals were verified in this step
         for request_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             drafts = len(spec.get(request_id, ()))
             prefill_tokens += max(0, scheduled - 1 - drafts)
@@ -310,6 +313,7 @@ class AutopilotScheduler(Scheduler):
                 ):
                     self._acceptance.observe(request_id, drafts, tokens - 1)
                     self._draft_verified.add(drafts, tokens - 1)
+                    drafted = True
         step = StepRecord(
             duration=duration,
             batch_size=len(scheduler_output.num_scheduled_tokens),
@@ -319,6 +323,8 @@ class AutopilotScheduler(Scheduler):
             caught_up_tokens=self._caught_up,
         )
         self._cost.observe(step)
+        if self._lookups is not None and not (prefill_tokens or decision.k or drafted):
+            self._lookups.end_to_end(step.batch_size, duration, generated, verified_total > 0)
         # What the controller measures is the draft's doing; a lookup step's is not.
         looked_up = self._lookups is not None and self._lookups.in_step()
         if self._mode == "auto" and self._cost.ready and not looked_up:

@@ -6,9 +6,12 @@ draft's proposal for that request (`Request.spec_token_ids`, what vLLM schedules
 expected to make the request's tokens faster, cut to the tokens worth verifying at this
 machine's verify cost. The scheduler then idles the draft in a step whose requests all verify
 lookups, keeps lookup steps out of what its controller measures of the draft, and feeds each
-finished reply back into its tenant's index. Calibration requests, requests with logit_bias and
-requests that capped their drafts at 0 get no lookups. An exception here turns lookups off for
-the rest of the process (`vllm_patches.contained`); the draft goes on alone.
+finished reply back into its tenant's index. In auto mode lookups also answer to what they
+measured: at a batch size where steps verifying lookups made fewer tokens per second than
+plain steps, none are proposed until that evidence fades (`LookupVeto`). Calibration
+requests, requests with logit_bias and requests that capped their drafts at 0 get no lookups.
+An exception here turns lookups off for the rest of the process (`vllm_patches.contained`);
+the draft goes on alone.
 """
 
 import time
@@ -18,7 +21,7 @@ from typing import Any
 
 from server.autopilot.acceptance import AcceptanceTracker, tokens_by_k
 from server.autopilot.cost_model import CostModel
-from server.autopilot.lookup import Lookup, Proposal
+from server.autopilot.lookup import Lookup, LookupVeto, Proposal
 from server.autopilot.reports import SchedulerReport, VerifiedCounts
 from server.engine import vllm_patches
 from server.engine.request_args import (
@@ -59,9 +62,15 @@ class SchedulerLookups:
     """Lookups for one engine's scheduler: what it proposes, what was verified, the counts."""
 
     def __init__(
-        self, max_tokens: int, index_tokens: int, cost: CostModel, acceptance: AcceptanceTracker
+        self,
+        max_tokens: int,
+        index_tokens: int,
+        cost: CostModel,
+        acceptance: AcceptanceTracker,
+        veto: LookupVeto | None,
     ) -> None:
         self._lookup = Lookup(max_tokens, index_tokens)
+        self._veto = veto  # auto mode: no lookups at a batch size where they measured slower
         self._cost = cost
         self._acceptance = acceptance  # the draft's, which a lookup is weighed against
         self._proposed: dict[str, Proposal] = {}  # this step's lookups, before vLLM schedules
@@ -84,7 +93,8 @@ class SchedulerLookups:
         requests = list(running)
         price = self._verify_price(len(requests))
         chosen: dict[str, Proposal] = {}
-        for request in requests:
+        vetoed = self._veto is not None and not self._veto.allows(len(requests))
+        for request in [] if vetoed else requests:
             request_id = request.request_id
             if (
                 request.is_prefill_chunk
@@ -134,6 +144,11 @@ class SchedulerLookups:
         self._lookup.observe(proposal, verified, accepted)
         self._by_origin[proposal.origin].add(verified, accepted)
         return True
+
+    def end_to_end(self, batch: int, seconds: float, tokens: int, looked_up: bool) -> None:
+        """A decode step without draft work: it verified lookups, or nothing at all."""
+        if self._veto is not None:
+            self._veto.observe(batch, seconds, tokens, looked_up)
 
     @vllm_patches.contained("lookup", _nothing)
     def finished(self, request: Any) -> None:

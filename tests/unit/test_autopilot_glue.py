@@ -15,7 +15,7 @@ from prometheus_client import REGISTRY
 from server.autopilot.acceptance import AcceptanceTracker
 from server.autopilot.feed import AutopilotFeed
 from server.autopilot.idle import IdleReason
-from server.autopilot.lookup import Proposal
+from server.autopilot.lookup import LookupVeto, Proposal
 from server.engine import autopilot_scheduler, request_args, vllm_patches, vllm_source
 from server.engine.autopilot_report import Reporter
 from server.engine.scheduler_lookups import SchedulerLookups, Verified
@@ -351,7 +351,7 @@ def _request(request_id: str, tokens: list[int], **fields: Any) -> SimpleNamespa
 def _lookups(tracker: AcceptanceTracker | None = None) -> SchedulerLookups:
     """Lookups of up to 8 tokens before the cost model is ready (no verify price)."""
     cost: Any = SimpleNamespace(ready=False)
-    return SchedulerLookups(8, 1000, cost, tracker or AcceptanceTracker(4))
+    return SchedulerLookups(8, 1000, cost, tracker or AcceptanceTracker(4), None)
 
 
 def _propose(lookups: SchedulerLookups, requests: list[SimpleNamespace]) -> dict[str, Proposal]:
@@ -431,3 +431,28 @@ def test_lookup_steps_teach_the_lookup_and_not_the_draft_s_controller() -> None:
     assert scheduler._acceptance.position_rates() == AcceptanceTracker(4).position_rates()
     # The sixth looked-up token was rejected.
     assert lookups._lookup.rates(proposal)[5] < 0.9
+
+
+def test_auto_mode_feeds_the_lookup_veto_only_steps_without_draft_work() -> None:
+    scheduler = _observing_scheduler("auto")
+    veto = LookupVeto()
+    cost: Any = SimpleNamespace(ready=False)
+    lookups = SchedulerLookups(8, 0, cost, AcceptanceTracker(4), veto)
+    scheduler._lookups = lookups
+    idle = autopilot_scheduler.Decision(k=0, reason=IdleReason.LOOKUP)
+
+    def step(drafts: int, decision: Any, looked_up: bool, seconds: float) -> None:
+        lookups._step = {"r": Proposal([0] * drafts, 20, "prompt")} if looked_up else {}
+        output = SimpleNamespace(
+            num_scheduled_tokens={"r": 1 + drafts},
+            scheduled_spec_decode_tokens={"r": [0] * drafts} if drafts else {},
+        )
+        runner = SimpleNamespace(sampled_token_ids=[[7] * (1 + drafts)], req_id_to_index={"r": 0})
+        scheduler._observe(output, runner, seconds, decision)
+
+    for _ in range(5):
+        step(0, idle, looked_up=False, seconds=0.1)  # plain: 10 tok/s
+        step(4, idle, looked_up=True, seconds=1.0)  # lookups: 5 tok/s
+        step(4, autopilot_scheduler.Decision(k=2), looked_up=False, seconds=9.0)  # drafts
+    assert veto.speedup(1) == pytest.approx(0.5)
+    assert _propose(lookups, [_request("r", COPY)]) == {}  # vetoed at one request
