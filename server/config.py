@@ -123,7 +123,7 @@ class Settings(BaseSettings):
         description="hybrid: each request's continuation is looked up in its own prompt and "
         "reply and in its tenant's earlier replies, proposed for free (no forward pass) where "
         "it is expected to beat the draft model, and drafted by --draft-model otherwise; "
-        "needs the autopilot's scheduler (else draft_model). draft_model: --draft-model "
+        "the draft alone on GPUs and without the autopilot's scheduler. draft_model: --draft-model "
         "alone. ngram: vLLM's prompt lookup alone, no draft.",
     )
     lookup_max_tokens: int = Field(

@@ -212,9 +212,14 @@ class VllmEngine:
         piece of the others; the autopilot's feed where its scheduler will run."""
         config = self._config
         distribution, version = vllm_distribution()
+        lookups = config.speculative_method == "hybrid"
+        if lookups and has_gpu():
+            # vLLM schedules asynchronously on GPUs, where drafts travel as placeholders the
+            # scheduler cannot fill; the hybrid is untested there.
+            logger.warning("specserve: hybrid on a GPU runs the draft alone (no lookups)")
+            lookups = False
         asked = frozenset(
-            ["draft_vocab"] * (config.draft_vocab_size is not None)
-            + ["lookup"] * (config.speculative_method == "hybrid")
+            ["draft_vocab"] * (config.draft_vocab_size is not None) + ["lookup"] * lookups
         )
         patches, lines = vllm_patches.usable(
             vllm_source.installed_source(),
