@@ -5,6 +5,7 @@ where vLLM lacks the hooks."""
 import json
 import logging
 from collections import Counter
+from dataclasses import replace
 from importlib import metadata
 from types import SimpleNamespace
 from typing import Any
@@ -456,3 +457,20 @@ def test_auto_mode_feeds_the_lookup_veto_only_steps_without_draft_work() -> None
         step(4, autopilot_scheduler.Decision(k=2), looked_up=False, seconds=9.0)  # drafts
     assert veto.speedup(1) == pytest.approx(0.5)
     assert _propose(lookups, [_request("r", COPY)]) == {}  # vetoed at one request
+
+
+def test_the_hybrid_asks_for_lookups_on_a_cpu_and_runs_the_draft_alone_on_a_gpu(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from server.engine import vllm_engine
+
+    hybrid = replace(_config(), speculative_method="hybrid", lookup_max_tokens=8)
+    assert "lookup" in VllmEngine(hybrid)._usable_patches()
+    assert "lookup" not in VllmEngine(_config())._usable_patches()  # draft_model
+    monkeypatch.setattr(vllm_engine, "has_gpu", lambda: True)
+    with caplog.at_level(logging.WARNING):
+        assert "lookup" not in VllmEngine(hybrid)._usable_patches()
+    assert "hybrid on a GPU runs the draft alone" in caplog.text
+    spec = VllmEngine(hybrid)._speculative_config(autopilot=True, lookups=True)
+    assert spec is not None
+    assert (spec["method"], spec["num_speculative_tokens"]) == ("draft_model", 8)
