@@ -183,7 +183,8 @@ def _scheduler(mode: str, biased: set[str]) -> Any:
     scheduler._mode = mode
     scheduler._max_batch = None
     scheduler._script = iter([2, 2])
-    scheduler.num_spec_tokens = 3
+    scheduler._k_max = 3
+    scheduler._lookups = None
     scheduler.requests = {
         r: SimpleNamespace(
             sampling_params=SimpleNamespace(logit_bias={5: -100.0} if r in biased else None)
