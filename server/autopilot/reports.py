@@ -4,6 +4,7 @@ scheduler's (server/engine/autopilot_scheduler.py) and the draft worker's
 cumulative since the process started; each datagram also carries its `source`.
 """
 
+from dataclasses import dataclass
 from typing import NotRequired, TypedDict
 
 
@@ -13,6 +14,23 @@ class VerifiedCounts(TypedDict):
     verified: int
     accepted: int
     steps: int
+
+
+@dataclass
+class Verified:
+    """A running count of VerifiedCounts, on the scheduler's side."""
+
+    verified: int = 0
+    accepted: int = 0
+    steps: int = 0
+
+    def add(self, verified: int, accepted: int) -> None:
+        self.verified += verified
+        self.accepted += accepted
+        self.steps += 1
+
+    def as_dict(self) -> VerifiedCounts:
+        return {"verified": self.verified, "accepted": self.accepted, "steps": self.steps}
 
 
 class SchedulerReport(TypedDict):

@@ -44,11 +44,11 @@ from server.autopilot.cost_model import CostModel, StepRecord
 from server.autopilot.idle import IdleReason
 from server.autopilot.lookup import LookupVeto
 from server.autopilot.policy import Controller, Decision, RequestState
-from server.autopilot.reports import SchedulerReport
+from server.autopilot.reports import SchedulerReport, Verified
 from server.engine import vllm_patches
 from server.engine.autopilot_report import Reporter
 from server.engine.request_args import CALIBRATION_PREFIX, draft_cap, has_logit_bias
-from server.engine.scheduler_lookups import SchedulerLookups, Verified
+from server.engine.scheduler_lookups import SchedulerLookups
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +90,8 @@ class AutopilotScheduler(Scheduler):
         self._acceptance = AcceptanceTracker(self._k_max)
         self._controller = Controller(self._k_max, self._cost, self._acceptance)
         self._draft_verified = Verified()  # the draft's proposals the target verified
+        # Where the engine enabled lookups (the hybrid, on CPU hosts: vllm_engine.py).
         lookup = settings.get("lookup")
-        # Under async scheduling drafts travel as placeholders the scheduler does not fill.
-        on = lookup is not None and not self.scheduler_config.async_scheduling
         self._lookups = (
             SchedulerLookups(
                 min(lookup["max_tokens"], self.num_spec_tokens),
@@ -101,7 +100,7 @@ class AutopilotScheduler(Scheduler):
                 self._acceptance,
                 LookupVeto() if self._mode == "auto" else None,
             )
-            if on
+            if lookup is not None
             else None
         )
         self._decision: Decision | None = None
@@ -127,8 +126,6 @@ class AutopilotScheduler(Scheduler):
             self._k_max,
             f", lookups up to {self._lookups.max_tokens} tokens" if self._lookups else "",
         )
-        if lookup is not None and self._lookups is None:
-            logger.warning("specserve: no lookups under vLLM's async scheduling; the draft alone")
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         lookups = self._lookups

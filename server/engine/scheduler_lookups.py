@@ -16,13 +16,12 @@ the draft goes on alone.
 
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from server.autopilot.acceptance import AcceptanceTracker, tokens_by_k
 from server.autopilot.cost_model import CostModel
 from server.autopilot.lookup import Lookup, LookupVeto, Proposal
-from server.autopilot.reports import SchedulerReport, VerifiedCounts
+from server.autopilot.reports import SchedulerReport, Verified
 from server.engine import vllm_patches
 from server.engine.request_args import (
     CALIBRATION_PREFIX,
@@ -31,23 +30,6 @@ from server.engine.request_args import (
     extra_arg,
     has_logit_bias,
 )
-
-
-@dataclass
-class Verified:
-    """Proposed tokens the target verified, how many it accepted, in how many verify steps."""
-
-    verified: int = 0
-    accepted: int = 0
-    steps: int = 0
-
-    def add(self, verified: int, accepted: int) -> None:
-        self.verified += verified
-        self.accepted += accepted
-        self.steps += 1
-
-    def as_dict(self) -> VerifiedCounts:
-        return {"verified": self.verified, "accepted": self.accepted, "steps": self.steps}
 
 
 def _none(*args: Any) -> dict[str, Proposal]:
@@ -91,10 +73,12 @@ class SchedulerLookups:
         spec_token_ids (`validate`: vLLM's grammar check of proposed tokens)."""
         started = time.perf_counter()
         requests = list(running)
-        price = self._verify_price(len(requests))
+        batch = len(requests)
+        price = self._verify_price(batch)
         chosen: dict[str, Proposal] = {}
-        vetoed = self._veto is not None and not self._veto.allows(len(requests))
-        for request in [] if vetoed else requests:
+        if self._veto is not None and not self._veto.allows(batch):
+            requests = []
+        for request in requests:
             request_id = request.request_id
             if (
                 request.is_prefill_chunk
@@ -112,7 +96,7 @@ class SchedulerLookups:
             if proposal is None:
                 continue
             length = self._lookup.worth_verifying(proposal, price)
-            if length == 0 or not self._wins(request, proposal, length, len(requests)):
+            if length == 0 or not self._wins(request, proposal, length, batch):
                 continue
             tokens = validate(request, proposal.tokens[:length])
             if tokens:

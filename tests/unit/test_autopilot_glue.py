@@ -17,9 +17,10 @@ from server.autopilot.acceptance import AcceptanceTracker
 from server.autopilot.feed import AutopilotFeed
 from server.autopilot.idle import IdleReason
 from server.autopilot.lookup import LookupVeto, Proposal
+from server.autopilot.reports import Verified
 from server.engine import autopilot_scheduler, request_args, vllm_patches, vllm_source
 from server.engine.autopilot_report import Reporter
-from server.engine.scheduler_lookups import SchedulerLookups, Verified
+from server.engine.scheduler_lookups import SchedulerLookups
 from server.engine.vllm_engine import EngineConfig, VllmEngine
 
 
