@@ -3,6 +3,8 @@ earlier replies keep greedy output identical and the sampled distribution unchan
 verified with the draft idle in those steps, and never cross tenants."""
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -108,6 +110,26 @@ async def test_a_repeated_request_is_served_from_lookups_with_the_draft_idle(
     assert passes == proposing + catch_ups
     skipped = after["draft_skipped_steps"] - before["draft_skipped_steps"]
     assert skipped == k_steps.get(0, 0) >= lookup_steps
+    # Lookups of up to 8 tokens raised vLLM's K; the draft still proposed at most its own 3.
+    assert max(k for k, n in k_steps.items() if n) <= 3, k_steps
+
+
+async def test_a_biased_request_gets_no_lookups(
+    hybrid_server: RunningServer, plain_server: RunningServer
+) -> None:
+    """vLLM verifies proposed tokens without the bias, so a lookup of the tenant's earlier reply
+    reaching a request that bans one of its tokens would bring the banned token back."""
+    prompt = "def fibonacci(n):"
+    (reply,) = await _tokens(hybrid_server.engine, "bias-1", prompt, GREEDY, "bias")
+    banned = next(t for i, t in enumerate(reply) if i >= 16 and t not in reply[:i])
+    biased = replace(GREEDY, logit_bias=MappingProxyType({banned: -100.0}))
+    before = await _counts(hybrid_server)
+    (hybrid,) = await _tokens(hybrid_server.engine, "bias-2", prompt, biased, "bias")
+    after = await _counts(hybrid_server)
+    (plain,) = await _tokens(plain_server.engine, "bias-plain", prompt, biased, None)
+    assert banned not in hybrid
+    assert hybrid == plain
+    assert _grown(after, before, "lookup", "verified") == 0
 
 
 async def test_one_tenant_s_replies_are_never_proposed_to_another(
