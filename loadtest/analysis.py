@@ -26,6 +26,7 @@ ROWS: list[tuple[str, tuple[str, ...]]] = [
     ("failed", ("failed",)),
     ("request throughput (req/s)", ("request_throughput",)),
     ("output throughput (tok/s)", ("output_throughput",)),
+    ("cached prompt share", ("cached_prompt_share",)),
     ("goodput (req/s)", ("request_goodput",)),
     *[
         (f"{name.upper()} {stat} (ms)", (f"{name}_ms", stat))

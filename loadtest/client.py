@@ -88,6 +88,7 @@ class StreamTimer:
                 self.usage_tokens = int(usage["completion_tokens"])
             if usage.get("prompt_tokens") is not None:
                 record.prompt_tokens = int(usage["prompt_tokens"])
+            record.cached_tokens = cached_tokens(usage)
         if isinstance(data.get("speculation"), dict):
             record.speculation = data["speculation"]
 
@@ -173,6 +174,7 @@ async def _whole(
     record.ttft = record.e2el = now - sent
     usage = data.get("usage") or {}
     record.prompt_tokens = usage.get("prompt_tokens")
+    record.cached_tokens = cached_tokens(usage)
     if usage.get("completion_tokens") is None:
         raise StreamError("response has no usage.completion_tokens")
     record.output_tokens = int(usage["completion_tokens"])
@@ -181,3 +183,11 @@ async def _whole(
     if isinstance(data.get("speculation"), dict):
         record.speculation = data["speculation"]
     record.success = True
+
+
+def cached_tokens(usage: dict[str, Any]) -> int | None:
+    """usage.prompt_tokens_details.cached_tokens, where the server reports it."""
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, dict) or details.get("cached_tokens") is None:
+        return None
+    return int(details["cached_tokens"])

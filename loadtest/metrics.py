@@ -70,6 +70,7 @@ def summarize(
     done = [r for r in records if r.success]
     output = sum(r.output_tokens for r in done)
     prompt = sum(r.prompt_tokens or 0 for r in done)
+    cached = sum(r.cached_tokens or 0 for r in done)
     summary: dict[str, Any] = {
         "requests": len(records),
         "completed": len(done),
@@ -77,6 +78,8 @@ def summarize(
         "failures_by_status": _failures_by_status(records),
         "duration_s": duration,
         "total_prompt_tokens": prompt,
+        "total_cached_prompt_tokens": cached,
+        "cached_prompt_share": cached / prompt if prompt else math.nan,
         "total_output_tokens": output,
         "request_throughput": len(done) / duration if duration > 0 else math.nan,
         "output_throughput": output / duration if duration > 0 else math.nan,

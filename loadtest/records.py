@@ -21,6 +21,7 @@ class RequestRecord:
     itl: list[float] = field(default_factory=list)  # gaps between text chunks
     e2el: float | None = None  # sent -> last text chunk (whole response if not streamed)
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # of the prompt's, reused from the server's prefix cache
     output_tokens: int = 0
     # "usage" when the server reported the count; "chunks" when it did not and
     # every text chunk counted as one token (an undercount with speculation).

@@ -6,7 +6,10 @@ the prompt already holds (drafts are accepted often), code edits mostly repeat
 the prompt's code (lookups propose it for free), prose is open-ended
 (accepted rarely). `structured` asks for JSON under `response_format` (a JSON
 schema or JSON mode), `fim` sends code with a hole (`suffix`), so both run
-through the grammar and fill-in-the-middle paths.
+through the grammar and fill-in-the-middle paths. `multi-turn` (each turn
+sent with the turns before it) and `shared-system-prompt` (an agent's long
+system prompt and tools before short tasks) share prompt prefixes between
+requests: what the server's prefix cache reuses.
 
 JSONL: one object per line, either {"prompt": "..."} for /v1/completions or
 {"messages": [...]} for /v1/chat/completions, optionally "max_tokens", "id",
@@ -129,6 +132,116 @@ CODE_EDIT = _chat(
         )
     ],
 )
+
+# An agent's conversations: each item is one turn, sent with every earlier turn of its
+# conversation (scripted assistant replies), so later turns share their prefix with earlier ones.
+_TURNS = (
+    "Here is some code of mine:\n\n```python\n{code}```\n\nExplain briefly what it does.",
+    "Add type hints to it. Reply with the whole updated code only.",
+    "Now add a one-line docstring to each function. Reply with the code only.",
+    "Write a pytest unit test for it.",
+)
+_REPLIES = (
+    "It defines small helpers that walk over their input once and return the result; the "
+    "names say what each one computes.",
+    "```python\n{code}```",
+    "```python\n{code}```",
+)
+
+
+def _conversation(name: str, code: str) -> list[WorkItem]:
+    items = []
+    history: list[tuple[str, str]] = []
+    for turn, (question, reply) in enumerate(zip(_TURNS, (*_REPLIES, ""), strict=True)):
+        history.append(("user", question.format(code=code)))
+        items.append(WorkItem(f"{name}-turn{turn + 1}", "chat", messages=tuple(history)))
+        history.append(("assistant", reply.format(code=code)))
+    return items
+
+
+MULTI_TURN = [
+    item for i, code in enumerate(_EDITED_CODE) for item in _conversation(f"multi-turn-{i}", code)
+]
+
+_AGENT_TOOLS = [
+    {
+        "name": name,
+        "description": description,
+        "parameters": {
+            "type": "object",
+            "properties": {p: {"type": "string", "description": d} for p, d in parameters},
+            "required": [p for p, _ in parameters],
+        },
+    }
+    for name, description, parameters in [
+        ("read_file", "Read a file of the repository.", [("path", "Path from the root.")]),
+        (
+            "write_file",
+            "Replace a file's content; create it if missing.",
+            [("path", "Path from the root."), ("content", "The whole new content.")],
+        ),
+        (
+            "search_code",
+            "Find lines matching a regular expression in the repository.",
+            [("pattern", "A Python regular expression."), ("glob", "Files to search.")],
+        ),
+        ("run_tests", "Run the test suite or part of it.", [("selector", "A pytest node id.")]),
+        ("run_shell", "Run a shell command in the sandbox.", [("command", "The command.")]),
+        ("list_dir", "List a folder of the repository.", [("path", "Path from the root.")]),
+        (
+            "open_issue",
+            "Open an issue in the tracker.",
+            [("title", "One line."), ("body", "Markdown.")],
+        ),
+        ("git_diff", "Show the working tree's changes.", [("path", "Limit to this path.")]),
+    ]
+]
+_AGENT_SYSTEM_PROMPT = (
+    "You are a coding agent working in a Python repository on behalf of its maintainers. "
+    "Follow these rules in every reply.\n"
+    + "\n".join(
+        f"{number}. {rule}"
+        for number, rule in enumerate(
+            [
+                "Read the files you change before you change them, and keep their style.",
+                "Make the smallest change that solves the task; do not reformat unrelated code.",
+                "Run the tests that cover your change, and say which ones you ran.",
+                "Never commit secrets, credentials or personal data, and never print them.",
+                "Prefer the standard library; add a dependency only when the task needs one.",
+                "Explain what you did in at most five sentences, then show the diff.",
+                "When a command fails, read its output before you try anything else.",
+                "Ask one clear question when the task is ambiguous instead of guessing.",
+                "Write type hints and a docstring for every public function you add.",
+                "Keep functions short; name them for what they return or do.",
+            ],
+            start=1,
+        )
+    )
+    + "\n\nYou can call these tools; answer with one JSON call per line when you use them:\n"
+    + json.dumps(_AGENT_TOOLS, indent=1)
+)
+
+# An agent's long system prompt with its tools before each short task: every request shares
+# that prefix with every other.
+SHARED_SYSTEM_PROMPT = [
+    WorkItem(
+        f"shared-system-prompt-{i}",
+        "chat",
+        messages=(("system", _AGENT_SYSTEM_PROMPT), ("user", task)),
+    )
+    for i, task in enumerate(
+        [
+            "The function median in stats.py crashes on an empty list. Fix it.",
+            "Add a --verbose flag to the command line in cli.py.",
+            "Find every place that opens a file without a with statement.",
+            "Rename the class Account to BankAccount everywhere.",
+            "Write a test for load_users in users.py.",
+            "Why does test_deposit fail? Look at the code and explain.",
+            "List the modules that import json and say what each uses it for.",
+            "Make count_words ignore words shorter than three letters.",
+        ]
+    )
+]
 
 PROSE = _chat(
     "prose",
@@ -287,7 +400,9 @@ BUNDLED: dict[str, list[WorkItem]] = {
     "code-edit": CODE_EDIT,
     "coding-chat": CODING_CHAT,
     "fim": FIM,
+    "multi-turn": MULTI_TURN,
     "prose": PROSE,
+    "shared-system-prompt": SHARED_SYSTEM_PROMPT,
     "structured": STRUCTURED,
 }
 

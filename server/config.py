@@ -26,6 +26,9 @@ DEFAULT_MAX_SPECULATIVE_TOKENS_AUTO = 4
 # Hybrid: a looked-up run verified in one step, and the reply index's size (docs/speculation.md).
 DEFAULT_LOOKUP_MAX_TOKENS = 8
 DEFAULT_LOOKUP_INDEX_TOKENS = 65536
+# The KV cache block on a CPU (vLLM's own is 128): prefix caching reuses whole blocks, so a
+# smaller one lets shorter shared prompts hit (measured in docs/benchmarks.md, "Block size").
+DEFAULT_CPU_BLOCK_SIZE = 64
 # The trimmed draft head: what auto keeps on a CPU, and the least a user may ask for
 # (fewer ids leave even common words out; see docs/benchmarks.md, "Trimmed draft head").
 AUTO_DRAFT_VOCAB = 32768
@@ -202,6 +205,26 @@ class Settings(BaseSettings):
         "small for one sequence at `--max-model-len` is refused at startup.",
     )
     max_num_seqs: int = Field(16, ge=1, description="Most requests in one engine step.")
+    block_size: int | None = Field(
+        None,
+        ge=16,
+        multiple_of=16,
+        description="Tokens per KV cache block, a multiple of 16 (of 32 on a CPU). Prefix "
+        "caching reuses whole "
+        f"blocks: a prompt shares nothing shorter than one. Unset: {DEFAULT_CPU_BLOCK_SIZE} on a "
+        "CPU (vLLM's own 128 lets no prompt under 128 tokens hit), vLLM's default on a GPU.",
+    )
+    no_prefix_caching: bool = Field(
+        False,
+        description="Compute every prompt in full: no prompt's KV cache is reused by a later "
+        "request (for comparing; replies report `cached_tokens` 0).",
+    )
+    shared_prefix_cache: bool = Field(
+        False,
+        description="Let tenants (API keys) reuse each other's cached prompt prefixes. Off: each "
+        "tenant's cache is its own, so no tenant can tell from its time to first token whether "
+        "another sent a prompt. Without API keys every request is one tenant's.",
+    )
     tensor_parallel_size: int = Field(
         1,
         ge=1,

@@ -19,6 +19,9 @@ Derived figures, in PromQL:
 - TPOT p95:
     histogram_quantile(0.95, sum by (le) (rate(specserve_time_per_output_token_seconds_bucket[5m])))
 - output tokens/s: sum(rate(specserve_generation_tokens_total[1m]))
+- share of prompt tokens served from the prefix cache:
+    sum(rate(specserve_prompt_cached_tokens_total[5m]))
+    / sum(rate(specserve_prompt_tokens_total[5m]))
 """
 
 from collections.abc import Callable
@@ -90,6 +93,17 @@ PROMPT_TOKENS = Counter(
 GENERATION_TOKENS = Counter(
     "specserve_generation_tokens_total", "Tokens generated", ["model", "endpoint", "tenant"]
 )
+PROMPT_CACHED_TOKENS = Counter(
+    "specserve_prompt_cached_tokens_total",
+    "Prompt tokens whose KV cache was reused from an earlier request (prefix cache hits)",
+    ["model", "endpoint", "tenant"],
+)  # fmt: skip
+TTFT_BY_PROMPT_CACHE = Histogram(
+    "specserve_time_to_first_token_by_prompt_cache_seconds",
+    "Request arrival to first generated token, by whether any prompt token came from the "
+    "prefix cache (prompt_cache hit or miss)",
+    ["model", "endpoint", "prompt_cache"], buckets=_LATENCY_BUCKETS,
+)  # fmt: skip
 SPEC_DRAFTS = Counter(
     "specserve_spec_decode_drafts_total", "Verify steps that checked a draft",
     ["model", "tenant"],

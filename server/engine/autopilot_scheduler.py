@@ -183,7 +183,13 @@ class AutopilotScheduler(Scheduler):
             drafts = len(output.scheduled_spec_decode_tokens.get(request_id, ()))
             computed = self.requests[request_id].num_computed_tokens
             own = 1 + drafts if scheduled >= 1 + drafts else scheduled
-            behind[request_id] = max(0, computed - own - self._draft_seen.get(request_id, 0))
+            seen = self._draft_seen.get(request_id)
+            if seen is None:
+                # A request's first step: what came before it is the prefix the prefix cache
+                # served, whose draft KV came with it unless the draft idled when it was
+                # computed (draft_sync then catches up on it, unpriced this once).
+                seen = self._draft_seen[request_id] = computed - scheduled
+            behind[request_id] = max(0, computed - own - seen)
         return behind
 
     def _draft_saw(self, request_ids: Any) -> None:
@@ -276,7 +282,7 @@ class AutopilotScheduler(Scheduler):
         if decision is not None and decision.k:
             self._draft_saw(scheduler_output.num_scheduled_tokens)
         # Finished and aborted requests leave vLLM's table; every request with acceptance
-        # state had drafts, so it is in _draft_seen.
+        # state was scheduled, so it is in _draft_seen.
         for request_id in [r for r in self._draft_seen if r not in self.requests]:
             self._acceptance.forget(request_id)
             del self._draft_seen[request_id]

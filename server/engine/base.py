@@ -73,7 +73,8 @@ class GenerationRequest:
     # the end, with when its first and last tokens were made (EngineOutput.token_times): no
     # per-token output the client would never see.
     stream: bool = True
-    # Whose earlier replies the hybrid proposer may look this request's continuation up in.
+    # Whose earlier replies the hybrid proposer may look this request's continuation up in, and
+    # whose cached prompt prefixes it may reuse (unless the server shares them).
     tenant: str | None = None
 
 
@@ -131,6 +132,8 @@ class EngineOutput:
     # Set on a whole reply sent at once (GenerationRequest.stream False): its tokens' times,
     # which its arrival cannot tell.
     token_times: TokenTimes | None = None
+    # Prompt tokens whose KV came from the prefix cache (known from the first output on).
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,12 @@ with speculation off still pays for the draft. Here, in the worker process:
 - when K>0 resumes, one batched draft prefill over every request's missed
   positions (token ids from the runner's input batch, KV slots from the block
   table the draft shares with the target) runs before the normal proposal, so
-  acceptance after a pause is what it would have been without one.
+  acceptance after a pause is what it would have been without one;
+- a prompt prefix served from vLLM's prefix cache comes in KV blocks another
+  request computed, maybe while the draft idled: the draft's KV is taken as
+  valid over the blocks it wrote in full since the target last wrote them,
+  and caught up on over the rest, so a cached prefix is not prefilled again
+  by the draft unless its draft KV was never written.
 
 The target verifies every draft token, so a stale draft could only lower
 acceptance, never change the output. Forward passes and caught-up tokens are
@@ -36,6 +41,8 @@ class DraftSync:
 
     def __init__(self) -> None:
         self.valid_until: dict[str, int] = {}
+        # Physical KV blocks holding the draft's KV at every position of the block's tokens.
+        self.draft_blocks: set[int] = set()
         self.forward_passes = 0
         self.caught_up_tokens = 0
         self.catch_up_passes = 0
@@ -102,6 +109,15 @@ def _propose(proposer: Any, original: Any, values: dict[str, Any]) -> Any:
     # Each request's first position this step, read back in one transfer.
     starts: list[int] = positions[cad.query_start_loc[: cad.num_reqs]].tolist()
     _forget_finished(sync, proposer.specserve_live_requests)
+    table, block_size = cad.block_table_tensor, proposer.block_size
+    for row, (req_id, start) in enumerate(zip(req_ids, starts, strict=True)):
+        if req_id not in sync.valid_until:
+            sync.valid_until[req_id] = _draft_valid_prefix(sync, table[row], start, block_size)
+        # The target writes this step's positions: their blocks hold new tokens' KV now.
+        end = start + query_start[row + 1] - query_start[row]
+        sync.draft_blocks.difference_update(
+            table[row, start // block_size : (end - 1) // block_size + 1].tolist()
+        )
     if num_speculative_tokens == 0:
         # The draft did not see these positions: its KV is valid only below
         # each query's start (a recomputed, preempted request starts lower).
@@ -112,6 +128,9 @@ def _propose(proposer: Any, original: Any, values: dict[str, Any]) -> Any:
         proposer.num_speculative_tokens = 0
         proposer._last_draft_probs = None
         return torch.empty(cad.num_reqs, 0, dtype=torch.int64, device=positions.device)
+    written_from = [
+        min(sync.valid_until[r], start) for r, start in zip(req_ids, starts, strict=True)
+    ]
     _catch_up(proposer, sync, cad, batch, req_ids, starts)
     result = original(**values)
     sync.forward_passes += num_speculative_tokens
@@ -119,7 +138,12 @@ def _propose(proposer: Any, original: Any, values: dict[str, Any]) -> Any:
     rejected_list = [0] * cad.num_reqs if rejected is None else rejected.tolist()
     for i, req_id in enumerate(req_ids):
         query_len = query_start[i + 1] - query_start[i]
-        sync.valid_until[req_id] = starts[i] + query_len - int(rejected_list[i])
+        valid = sync.valid_until[req_id] = starts[i] + query_len - int(rejected_list[i])
+        # Blocks the draft wrote this step (catch-up included) and that lie wholly below
+        # its valid KV.
+        sync.draft_blocks.update(
+            table[i, written_from[i] // block_size : valid // block_size].tolist()
+        )
     sync.report()
     return result
 
@@ -129,6 +153,18 @@ def _sync_of(proposer: Any) -> DraftSync:
     if sync is None:
         sync = proposer.specserve_sync = DraftSync()
     return sync
+
+
+def _draft_valid_prefix(sync: DraftSync, blocks: Any, start: int, block_size: int) -> int:
+    """Where a new request's draft KV stops being valid: its first position this step lies past
+    whatever prefix the prefix cache served, valid for the draft over its leading blocks that
+    the draft wrote in full."""
+    valid = 0
+    for block in blocks[: start // block_size].tolist():
+        if block not in sync.draft_blocks:
+            break
+        valid += block_size
+    return valid
 
 
 def _forget_finished(sync: DraftSync, live_requests: Any) -> None:

@@ -16,7 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from server.config import AUTO_DRAFT_VOCAB, DRAFT_METHODS, ConfigError, Settings
+from server.config import (
+    AUTO_DRAFT_VOCAB,
+    DEFAULT_CPU_BLOCK_SIZE,
+    DRAFT_METHODS,
+    ConfigError,
+    Settings,
+)
 from server.engine.compat import check_draft_compatible, check_max_model_len, kv_cache_gib_for
 from server.engine.hardware import (
     choose_draft_quantization,
@@ -95,6 +101,10 @@ def resolve(settings: Settings) -> EngineConfig:
         parser_class(settings.tool_call_parser)
     except ValueError as exc:
         raise ConfigError(f"--tool-call-parser: {exc}") from exc
+    if settings.block_size is not None and not has_gpu() and settings.block_size % 32:
+        raise ConfigError(
+            f"--block-size {settings.block_size}: vLLM's CPU attention needs a multiple of 32"
+        )
     method: str | None = None if settings.no_speculation else settings.speculative_method
     _check_ranks(settings, method)
     draft = settings.draft_model if method in DRAFT_METHODS else None
@@ -139,6 +149,9 @@ def resolve(settings: Settings) -> EngineConfig:
         seed=settings.seed,
         kv_cache_gib=settings.kv_cache_gib,
         max_num_seqs=settings.max_num_seqs,
+        block_size=settings.block_size or (None if has_gpu() else DEFAULT_CPU_BLOCK_SIZE),
+        prefix_caching=not settings.no_prefix_caching,
+        shared_prefix_cache=settings.shared_prefix_cache,
         tensor_parallel_size=settings.tensor_parallel_size,
         pipeline_parallel_size=settings.pipeline_parallel_size,
         distributed_executor_backend=settings.distributed_executor_backend,

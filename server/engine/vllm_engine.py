@@ -80,6 +80,10 @@ class EngineConfig:
     # tokens of recent replies kept for lookups.
     lookup_max_tokens: int = 0
     lookup_index_tokens: int = 0
+    block_size: int | None = None  # tokens per KV cache block; None: vLLM's default
+    prefix_caching: bool = True
+    # False: each tenant's requests reuse only that tenant's cached prefixes (a cache salt each).
+    shared_prefix_cache: bool = False
 
 
 def speculation_schedule(k: int, max_batch_size: int, max_num_seqs: int) -> list[list[int]]:
@@ -147,6 +151,8 @@ class VllmEngine:
             seed=config.seed,
             max_model_len=config.max_model_len,  # type: ignore[arg-type]  # None: model's own
             max_num_seqs=config.max_num_seqs,
+            block_size=config.block_size,
+            enable_prefix_caching=config.prefix_caching,
             tensor_parallel_size=config.tensor_parallel_size,
             pipeline_parallel_size=config.pipeline_parallel_size,
             distributed_executor_backend=config.distributed_executor_backend,
@@ -418,6 +424,9 @@ class VllmEngine:
             raise EngineUnavailableError("the engine is not running")
         params = sampling_params(request.sampling, request.stream, request.tenant)
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
+        salt = self._cache_salt(request)
+        if salt is not None:
+            prompt["cache_salt"] = salt
         stream = self._llm.generate(prompt, params, request.request_id)
         finished = False
         # Per choice: tokens so far, for the K=0 steps of its speculation stats.
@@ -454,6 +463,7 @@ class VllmEngine:
                     )
                 yield EngineOutput(
                     prompt_tokens=len(output.prompt_token_ids or request.prompt_token_ids),
+                    cached_tokens=output.num_cached_tokens or 0,
                     choices=choices,
                     token_times=None if request.stream else token_times(output.metrics),
                 )
@@ -463,6 +473,13 @@ class VllmEngine:
             if not finished:
                 await stream.aclose()
                 await self.abort(request.request_id)
+
+    def _cache_salt(self, request: GenerationRequest) -> str | None:
+        """What keeps a tenant's cached prefixes its own: vLLM hashes the salt into a prompt's
+        first block, so prompts of two tenants share no block. None where tenants share."""
+        if self._config.shared_prefix_cache or request.tenant is None:
+            return None
+        return request.tenant
 
     def _speculation_stats(
         self, metrics: Any, tokens: int, idle_before: Counter[str] | None

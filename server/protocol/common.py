@@ -161,10 +161,16 @@ class SamplingFields(StrictRequest):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+class PromptTokensDetails(BaseModel):
+    # Prompt tokens whose KV the engine reused from an earlier request with the same prefix.
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 class SpeculationSummary(BaseModel):

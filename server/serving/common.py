@@ -23,7 +23,13 @@ from server.errors import (
     ModelNotFoundError,
     RequestTimeoutError,
 )
-from server.protocol.common import ResponseFormat, SamplingFields, SpeculationSummary, Usage
+from server.protocol.common import (
+    PromptTokensDetails,
+    ResponseFormat,
+    SamplingFields,
+    SpeculationSummary,
+    Usage,
+)
 from server.serving.observer import RequestObserver
 
 logger = logging.getLogger(__name__)
@@ -243,7 +249,10 @@ async def _merged(
 def usage(observer: RequestObserver) -> Usage:
     prompt, completion = observer.prompt_tokens, observer.output_tokens
     return Usage(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=observer.cached_tokens),
     )
 
 

@@ -22,6 +22,7 @@ from server.metrics import (
     GENERATION_TOKENS,
     ITL,
     KNOWN_ENDPOINTS,
+    PROMPT_CACHED_TOKENS,
     PROMPT_TOKENS,
     REQUEST_ACCEPTANCE,
     REQUESTS,
@@ -35,6 +36,7 @@ from server.metrics import (
     SPECULATIVE_TOKENS,
     TPOT,
     TTFT,
+    TTFT_BY_PROMPT_CACHE,
     WINDOW_ACCEPTANCE_LENGTH,
     WINDOW_ACCEPTANCE_RATE,
 )
@@ -66,7 +68,9 @@ def describe_server(
             REQUESTS.labels(endpoint, str(status))
         for histogram in (TTFT, ITL, TPOT, E2E):
             histogram.labels(model, endpoint)
-        for counter in (PROMPT_TOKENS, GENERATION_TOKENS):
+        for prompt_cache in ("hit", "miss"):
+            TTFT_BY_PROMPT_CACHE.labels(model, endpoint, prompt_cache)
+        for counter in (PROMPT_TOKENS, PROMPT_CACHED_TOKENS, GENERATION_TOKENS):
             counter.labels(model, endpoint, ANONYMOUS_TENANT)
     for counter in (SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED_TOKENS):
         counter.labels(model, ANONYMOUS_TENANT)
@@ -151,12 +155,18 @@ class RequestObserver:
         self._itl = ITL.labels(model, endpoint)
         self._sequences: dict[tuple[int, int], _SequenceTiming] = {}
         self._prompt_tokens: dict[int, int] = {}
+        self._cached_tokens: dict[int, int] = {}
         self.output_tokens = 0
         self.speculation: list[SpeculationStats] = []
 
     @property
     def prompt_tokens(self) -> int:
         return sum(self._prompt_tokens.values())
+
+    @property
+    def cached_tokens(self) -> int:
+        """Of the prompt tokens, those whose KV the engine reused from its prefix cache."""
+        return sum(self._cached_tokens.values())
 
     def on_output(self, position: int, output: EngineOutput) -> None:
         """Engine output of the request at `position` (one per prompt) arrived. A whole
@@ -167,6 +177,7 @@ class RequestObserver:
         if output.token_times is not None:
             first, last = output.token_times.first, output.token_times.last
         self._prompt_tokens[position] = output.prompt_tokens
+        self._cached_tokens[position] = output.cached_tokens
         for choice in output.choices:
             if choice.speculation is not None:
                 self.speculation.append(choice.speculation)
@@ -178,6 +189,10 @@ class RequestObserver:
             if timing is None:
                 if not self._sequences:
                     TTFT.labels(self.model, self.endpoint).observe(first - self.start)
+                    prompt_cache = "hit" if output.cached_tokens else "miss"
+                    TTFT_BY_PROMPT_CACHE.labels(self.model, self.endpoint, prompt_cache).observe(
+                        first - self.start
+                    )
                 self._sequences[key] = _SequenceTiming(first, last, len(choice.token_ids))
                 continue
             self._itl.observe(now - timing.last)
@@ -189,6 +204,7 @@ class RequestObserver:
         for requests that completed, so aborted ones do not skew it."""
         labels = (self.model, self.endpoint, self.tenant)
         PROMPT_TOKENS.labels(*labels).inc(self.prompt_tokens)
+        PROMPT_CACHED_TOKENS.labels(*labels).inc(self.cached_tokens)
         GENERATION_TOKENS.labels(*labels).inc(self.output_tokens)
         for stats in self.speculation:
             record_speculation(self.model, self.tenant, stats)

@@ -30,6 +30,7 @@ from server.protocol.responses import (
     CreateResponseRequest,
     FunctionToolChoice,
     IncompleteDetails,
+    InputTokensDetails,
     OutputFunctionCall,
     OutputItem,
     OutputMessage,
@@ -146,6 +147,7 @@ def _response(
     done = status != "in_progress"
     usage = ResponseUsage(
         input_tokens=observer.prompt_tokens,
+        input_tokens_details=InputTokensDetails(cached_tokens=observer.cached_tokens),
         output_tokens=observer.output_tokens,
         total_tokens=observer.prompt_tokens + observer.output_tokens,
     )

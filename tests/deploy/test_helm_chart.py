@@ -359,6 +359,25 @@ def test_every_env_var_is_a_server_setting(rendered: Render) -> None:
         assert names <= fields, f"{values.name}: not server settings: {names - fields}"
 
 
+def test_prompt_cache_values_become_server_settings(rendered: Render) -> None:
+    default = env(rendered())
+    assert "SPECSERVE_BLOCK_SIZE" not in default
+    assert "SPECSERVE_NO_PREFIX_CACHING" not in default
+    assert "SPECSERVE_SHARED_PREFIX_CACHE" not in default
+    given = env(
+        rendered(
+            **{
+                "engine.blockSize": "32",
+                "engine.prefixCaching": "false",
+                "engine.sharedPrefixCache": "true",
+            }
+        )
+    )
+    assert given["SPECSERVE_BLOCK_SIZE"] == "32"
+    assert given["SPECSERVE_NO_PREFIX_CACHING"] == "true"
+    assert given["SPECSERVE_SHARED_PREFIX_CACHE"] == "true"
+
+
 def test_prometheus_rule_is_deploy_prometheus_rules(rendered: Render, tmp_path: Path) -> None:
     rule = only(rendered(**{"metrics.prometheusRule.enabled": "true"}), "PrometheusRule")
     project = yaml.safe_load((ROOT / "deploy" / "prometheus" / "rules.yml").read_text())

@@ -2,7 +2,9 @@
 
 Each word of a prompt is one token; generation replays a fixed script of
 words per choice (its i-th word is token i, which a logit_bias of -100
-bans), honours max_tokens and stop strings, and records aborts.
+bans), honours max_tokens and stop strings, and records aborts. A prompt's
+cached tokens are its longest common prefix with an earlier prompt of the
+same tenant (a prefix cache of one-token blocks, one cache per tenant).
 The integration tests run the same routes on the real vLLM engine.
 """
 
@@ -74,6 +76,7 @@ class ScriptedEngine:
         self.unfinished = 0
         self.rendered_messages: list[dict[str, Any]] = []
         self.rendered_tools: list[dict[str, Any]] | None = None
+        self.prompts: list[tuple[str | None, list[int]]] = []  # (tenant, prompt) seen
 
     def info(self) -> EngineInfo:
         return EngineInfo(
@@ -124,18 +127,36 @@ class ScriptedEngine:
             return
         parts: dict[int, list[ChoiceDelta]] = {}
         first = last = 0.0
+        cached = 0
         async with aclosing(steps):
             async for output in steps:
+                cached = output.cached_tokens
                 last = time.perf_counter()
                 first = first or last
                 for choice in output.choices:
                     parts.setdefault(choice.index, []).append(choice)
         choices = [_whole(deltas) for _, deltas in sorted(parts.items())]
-        yield EngineOutput(len(request.prompt_token_ids), choices, TokenTimes(first, last))
+        yield EngineOutput(len(request.prompt_token_ids), choices, TokenTimes(first, last), cached)
+
+    def _cached_tokens(self, request: GenerationRequest) -> int:
+        """The longest prefix shared with an earlier prompt of the tenant; like vLLM's, never the
+        whole prompt (its last token is computed to sample the first output)."""
+        prompt = request.prompt_token_ids
+        shared = [
+            next(
+                (i for i, (a, b) in enumerate(zip(prompt, seen, strict=False)) if a != b),
+                min(len(prompt), len(seen)),
+            )
+            for tenant, seen in self.prompts
+            if tenant == request.tenant
+        ]
+        return min(max(shared, default=0), max(len(prompt) - 1, 0))
 
     async def _steps(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
         self.validate(request)
         self.requests.append(request)
+        cached = self._cached_tokens(request)
+        self.prompts.append((request.tenant, request.prompt_token_ids))
         self.unfinished += 1
         options = request.sampling
         texts = {i: "" for i in range(options.n)}
@@ -174,7 +195,7 @@ class ScriptedEngine:
                     if finish is not None:
                         finished_choices.add(index)
                 done = len(finished_choices) == options.n
-                yield EngineOutput(len(request.prompt_token_ids), choices)
+                yield EngineOutput(len(request.prompt_token_ids), choices, cached_tokens=cached)
                 if done:
                     return
         finally:

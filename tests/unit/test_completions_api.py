@@ -18,7 +18,12 @@ async def test_completion_returns_text_and_engine_usage(client: httpx.AsyncClien
     assert body["choices"] == [
         {"index": 0, "text": "Hello world!", "logprobs": None, "finish_reason": "length"}
     ]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 async def test_many_prompts_and_n_give_one_choice_each(
@@ -167,7 +172,12 @@ async def test_stream_sends_chunks_usage_and_done(client: httpx.AsyncClient) -> 
     assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "Hello world!"
     assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, None, "length"]
     assert chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 3,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 async def test_stream_without_usage_option_has_no_usage_chunk(client: httpx.AsyncClient) -> None:

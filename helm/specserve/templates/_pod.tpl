@@ -114,6 +114,18 @@ spec:
         {{- end }}
         - name: SPECSERVE_MAX_NUM_SEQS
           value: {{ .Values.engine.maxNumSeqs | quote }}
+        {{- with .Values.engine.blockSize }}
+        - name: SPECSERVE_BLOCK_SIZE
+          value: {{ . | quote }}
+        {{- end }}
+        {{- if not .Values.engine.prefixCaching }}
+        - name: SPECSERVE_NO_PREFIX_CACHING
+          value: "true"
+        {{- end }}
+        {{- if .Values.engine.sharedPrefixCache }}
+        - name: SPECSERVE_SHARED_PREFIX_CACHE
+          value: "true"
+        {{- end }}
         {{- if gt (int .Values.engine.tensorParallelSize) 1 }}
         - name: SPECSERVE_TENSOR_PARALLEL_SIZE
           value: {{ .Values.engine.tensorParallelSize | quote }}
