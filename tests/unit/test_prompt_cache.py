@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import REGISTRY
 from pydantic import ValidationError
 
+from server import cli
 from server.config import DEFAULT_CPU_BLOCK_SIZE, ConfigError, Settings
 from server.engine import resolve as resolve_module
 from server.engine.base import GenerationRequest, SamplingOptions
@@ -152,3 +153,12 @@ def test_each_tenant_salts_its_own_prompts_unless_the_cache_is_shared(
     )
     request = GenerationRequest("r", [1, 2], SamplingOptions(max_tokens=1), tenant=tenant)
     assert VllmEngine(config)._cache_salt(request) == salt
+
+
+def test_serve_takes_the_prompt_cache_flags(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(resolve_module, "has_gpu", lambda: False)
+    flags = ["--no-prefix-caching", "--shared-prefix-cache", "--block-size", "48"]
+    assert cli.main(["serve", *flags]) == 2
+    assert "--block-size 48: vLLM's CPU attention needs a multiple of 32" in capsys.readouterr().err
