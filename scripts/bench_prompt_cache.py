@@ -3,9 +3,10 @@
 Two tables, servers run one at a time:
 
 - Block size: `specserve serve --no-speculation --block-size B` for B in --block-sizes, in ABBA
-  order (32 64 96 128 128 96 64 32). Each server measures prefill (TTFT of ~900-token prompts
-  that share nothing, one token out), decode (TPOT of prose at one request, output tokens/s at
-  four) and how much of the prompts the cache served on multi-turn and shared-system-prompt.
+  order (32 64 96 128 128 96 64 32), --cycles times. Each server measures prefill (TTFT of
+  ~940-token prompts that share nothing, one token out), decode (TPOT of prose at one request,
+  output tokens/s at four) and how much of the prompts the cache served on multi-turn and
+  shared-system-prompt.
   Each figure's ratio is over the largest block size's, pass by pass.
 - Cache on against off: the default server (speculation on) and the same with
   `--no-prefix-caching`, in ABBA order (on, off, off, on), each running multi-turn and
@@ -61,7 +62,7 @@ def _runs_for_block_size(unique_prompts: Path) -> dict[str, list[str]]:
     return {
         "prefill": ["--workload", str(unique_prompts), *once, "1", "--num-requests", "8",
                     "--max-tokens", "1"],
-        "decode-c1": ["--workload", "prose", "--concurrency", "1", "--num-requests", "4",
+        "decode-c1": ["--workload", "prose", "--concurrency", "1", "--num-requests", "8",
                       "--max-tokens", "64"],
         "decode-c4": ["--workload", "prose", "--concurrency", "4", "--num-requests", "12",
                       "--max-tokens", "64"],
@@ -120,7 +121,10 @@ def _pass(
 def _summary(out: Path, part: str, name: str, run: str) -> list[dict[str, Any]]:
     """The run's summary from each pass of this server, in pass order."""
     summaries = []
-    for path in sorted(out.glob(f"{part}-pass*-{name}/{run}/results.json")):
+    paths = out.glob(f"{part}-pass*-{name}/{run}/results.json")
+    for path in sorted(
+        paths, key=lambda p: int(p.parent.parent.name.split("-pass")[1].split("-")[0])
+    ):
         servers = json.loads(path.read_text())["servers"]
         summaries.append(next(iter(servers.values()))["summary"])
     return summaries
@@ -222,6 +226,9 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", choices=["block-size", "cache"],
                         default=["block-size", "cache"])  # fmt: skip
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[32, 64, 96, 128])
+    parser.add_argument(
+        "--cycles", type=int, default=1, help="ABBA cycles of the block sizes (each two passes)"
+    )
     parser.add_argument("--port", type=int, default=8131)
     parser.add_argument("--tables-only", action="store_true")
     parser.add_argument("engine_flags", nargs="*", help="`specserve serve` flags (after --)")
@@ -234,7 +241,7 @@ def main() -> None:
         )
         if "block-size" in args.parts:
             runs = _runs_for_block_size(_unique_long_prompts(out / "unique-long.jsonl"))
-            order = [*args.block_sizes, *reversed(args.block_sizes)]
+            order = [*args.block_sizes, *reversed(args.block_sizes)] * args.cycles
             for number, size in enumerate(order, start=1):
                 flags = ["--no-speculation", "--block-size", str(size)]
                 _pass(out, "block-size", number, f"b{size}", flags, runs, args)
