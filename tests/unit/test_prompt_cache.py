@@ -70,31 +70,26 @@ async def test_completions_and_responses_report_cached_tokens(client: httpx.Asyn
     assert again["input_tokens_details"]["cached_tokens"] == again["input_tokens"] - 1
 
 
+def _first_tokens_timed() -> tuple[float, float]:
+    """Requests whose first token was timed on chat: (cache hits, cache misses)."""
+    name = "specserve_time_to_first_token_by_prompt_cache_seconds_count"
+    labels = {"model": "scripted", "endpoint": "/v1/chat/completions"}
+    return (
+        _sample(name, {**labels, "prompt_cache": "hit"}),
+        _sample(name, {**labels, "prompt_cache": "miss"}),
+    )
+
+
 async def test_cached_tokens_and_ttft_by_cache_reach_the_metrics(
     client: httpx.AsyncClient,
 ) -> None:
     tokens = {"model": "scripted", "endpoint": "/v1/chat/completions", "tenant": "anonymous"}
-    ttft = {"model": "scripted", "endpoint": "/v1/chat/completions"}
     cached_before = _sample("specserve_prompt_cached_tokens_total", tokens)
-    hits_before = _sample(
-        "specserve_time_to_first_token_by_prompt_cache_seconds_count",
-        {**ttft, "prompt_cache": "hit"},
-    )
-    misses_before = _sample(
-        "specserve_time_to_first_token_by_prompt_cache_seconds_count",
-        {**ttft, "prompt_cache": "miss"},
-    )
+    hits_before, misses_before = _first_tokens_timed()
     await _chat(client, "nine")
     await _chat(client, "ten")
     assert _sample("specserve_prompt_cached_tokens_total", tokens) - cached_before == 9
-    hits = _sample(
-        "specserve_time_to_first_token_by_prompt_cache_seconds_count",
-        {**ttft, "prompt_cache": "hit"},
-    )
-    misses = _sample(
-        "specserve_time_to_first_token_by_prompt_cache_seconds_count",
-        {**ttft, "prompt_cache": "miss"},
-    )
+    hits, misses = _first_tokens_timed()
     assert (hits - hits_before, misses - misses_before) == (1, 1)
 
 
