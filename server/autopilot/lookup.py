@@ -18,14 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from server.autopilot.acceptance import AcceptanceTracker, tokens_by_k
-from server.autopilot.policy import (
-    PLAIN_DECAY,
-    PLAIN_STALENESS,
-    SPECULATING_DECAY,
-    VETO_MIN_STEPS,
-    VETO_RECOVERY,
-    Side,
-)
 
 NGRAM = 3  # tokens a match is found by: the shortest match there is
 MAX_MATCH = 32  # how far back a match's agreement is measured
@@ -232,38 +224,3 @@ class Lookup:
         self._contexts.pop(request_id, None)
         if tenant is not None:
             self.replies.add(tenant, reply)
-
-
-class LookupVeto:
-    """Per batch size, output tokens/s of decode steps that verified lookups and ran no draft
-    pass against plain ones (nothing verified, no draft pass), decayed as the controller's
-    end-to-end sides are (policy.py). Where lookups measured slower, none are proposed at that
-    batch size until the evidence fades (a few hundred plain steps), then they are tried again:
-    what the cost model misprices (a batch whose rows verify ragged runs) cannot cost time for
-    long."""
-
-    def __init__(self) -> None:
-        self._sides: dict[int, tuple[Side, Side]] = {}  # batch size -> (looking, plain)
-
-    def observe(self, batch: int, seconds: float, tokens: int, looked_up: bool) -> None:
-        looking, plain = self._sides.setdefault(batch, (Side(), Side()))
-        if looked_up:
-            looking.add(tokens, seconds, SPECULATING_DECAY)
-            plain.fade(PLAIN_STALENESS)
-        else:
-            plain.add(tokens, seconds, PLAIN_DECAY)
-            looking.fade(1.0 - VETO_RECOVERY)
-
-    def speedup(self, batch: int) -> float | None:
-        """Tokens/s of lookup steps over plain ones at this batch size (None: too few)."""
-        sides = self._sides.get(batch)
-        if sides is None or min(side.steps for side in sides) < VETO_MIN_STEPS:
-            return None
-        looking, plain = sides
-        if not plain.tokens or not looking.seconds:
-            return None
-        return (looking.tokens / looking.seconds) / (plain.tokens / plain.seconds)
-
-    def allows(self, batch: int) -> bool:
-        speedup = self.speedup(batch)
-        return speedup is None or speedup >= 1.0

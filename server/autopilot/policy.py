@@ -34,17 +34,17 @@ _REALISED_RECOVERY = 0.002
 # that batch size.
 # - Prefill steps count on both sides less what the target's prefill costs (learnt from plain
 #   prefill steps), so that a side measured over more prefills does not read slower for it.
-# - The speculating side forgets at SPECULATING_DECAY per step of its own (about the last 50)
-#   and at VETO_RECOVERY per plain step: a batch size stopped after 8 steps retries after ~700
+# - The speculating side forgets at _SPECULATING_DECAY per step of its own (about the last 50)
+#   and at _VETO_RECOVERY per plain step: a batch size stopped after 8 steps retries after ~700
 #   plain steps, and a retry of one step recurs every ~220.
-# - The plain side forgets at PLAIN_DECAY per plain step and at PLAIN_STALENESS per
+# - The plain side forgets at _PLAIN_DECAY per plain step and at _PLAIN_STALENESS per
 #   speculating step: where speculation runs throughout, one plain step every ~220 keeps the
 #   comparison current (at a new batch size, five plain steps follow its first five).
-SPECULATING_DECAY = 0.98
-PLAIN_DECAY = 0.99
-PLAIN_STALENESS = 0.999
-VETO_MIN_STEPS = 4.0
-VETO_RECOVERY = 0.001
+_SPECULATING_DECAY = 0.98
+_PLAIN_DECAY = 0.99
+_PLAIN_STALENESS = 0.999
+_VETO_MIN_STEPS = 4.0
+_VETO_RECOVERY = 0.001
 _PREFILL_LEARNING = 0.1  # weight of each plain prefill step in the target's prefill cost
 # The machine's pace: where a settled step at a batch size (the low median of its shape's own
 # full set of samples) stays this far from when it first settled, either way, for as many new
@@ -78,7 +78,7 @@ def _pays_back(catch_up: float, tokens_left: float, baseline: float, faster: flo
 
 
 @dataclass
-class Side:
+class _Side:
     """Decayed output tokens, seconds and steps of one batch size's speculating or plain steps."""
 
     tokens: float = 0.0
@@ -96,6 +96,53 @@ class Side:
             factor * self.seconds,
             factor * self.steps,
         )
+
+
+class EndToEnd:
+    """Per batch size, decayed output tokens and seconds of steps doing extra work (speculating,
+    or verifying lookups) against plain steps, as the comment on _SPECULATING_DECAY says: what
+    the controller stops speculation by, and the scheduler stops lookups by."""
+
+    def __init__(self) -> None:
+        self._sides: dict[int, tuple[_Side, _Side]] = {}  # batch size -> (trying, plain)
+
+    def observe(self, batch: int, tokens: int, seconds: float, trying: bool) -> None:
+        trying_side, plain_side = self._sides.setdefault(batch, (_Side(), _Side()))
+        seconds = max(seconds, MIN_STEP_SECONDS)
+        if trying:
+            trying_side.add(tokens, seconds, _SPECULATING_DECAY)
+            plain_side.fade(_PLAIN_STALENESS)
+        else:
+            plain_side.add(tokens, seconds, _PLAIN_DECAY)
+            trying_side.fade(1.0 - _VETO_RECOVERY)
+
+    def speedup(self, batch: int) -> float | None:
+        """Tokens/s trying over tokens/s plain at this batch size (None: fewer than
+        _VETO_MIN_STEPS steps of either yet)."""
+        sides = self._sides.get(batch)
+        if sides is None or min(side.steps for side in sides) < _VETO_MIN_STEPS:
+            return None
+        trying, plain = sides
+        if not plain.tokens:
+            return None
+        return (trying.tokens / trying.seconds) / (plain.tokens / plain.seconds)
+
+    @property
+    def speedups(self) -> dict[int, float]:
+        """The speedup of every batch size with enough steps of both."""
+        speedups = {batch: self.speedup(batch) for batch in sorted(self._sides)}
+        return {batch: speedup for batch, speedup in speedups.items() if speedup is not None}
+
+    def needs_plain_steps(self, batch: int) -> bool:
+        """Trying was measured at this batch size, too few plain steps to compare with."""
+        sides = self._sides.get(batch)
+        if sides is None:
+            return False
+        trying, plain = sides
+        return trying.steps >= _VETO_MIN_STEPS and plain.steps < _VETO_MIN_STEPS
+
+    def forget(self, batch: int) -> None:
+        self._sides.pop(batch, None)
 
 
 @dataclass(frozen=True)
@@ -180,8 +227,7 @@ class Controller:
         self._off_seconds = 0.0  # their predicted time
         # batch size -> measured over predicted speedup of its steady speculating steps
         self._realised: dict[int, float] = {}
-        # batch size -> its (speculating, plain) steps, see end_to_end()
-        self._end_to_end: dict[int, tuple[Side, Side]] = {}
+        self._end_to_end = EndToEnd()  # speculating against plain steps, see end_to_end()
         self._prefill_seconds_per_token: float | None = None  # the target's, at K = 0
         self._recent_batches: deque[int] = deque(maxlen=_PREFILL_LOOKBACK_STEPS)
 
@@ -239,7 +285,7 @@ class Controller:
         # What a step of it measures (no catch-up in it): what the realised fraction compares.
         speedup = steady[best] / steady[0]
         paying = expected >= 1.0 + self._min_gain
-        if paying and self._needs_plain_steps(batch):
+        if paying and self._end_to_end.needs_plain_steps(batch):
             # What speculation is measured against at this batch size: measure it now.
             return Decision(
                 k=0, per_request_k=dict.fromkeys(request_ids, 0), reason=IdleReason.CALIBRATING
@@ -302,38 +348,17 @@ class Controller:
             if self._prefill_seconds_per_token is None:
                 return
             seconds -= self._prefill_seconds_per_token * prefill_tokens
-        speculating_side, plain_side = self._end_to_end.setdefault(batch, (Side(), Side()))
-        if speculating:
-            speculating_side.add(tokens, max(seconds, MIN_STEP_SECONDS), SPECULATING_DECAY)
-            plain_side.fade(PLAIN_STALENESS)
-        else:
-            plain_side.add(tokens, max(seconds, MIN_STEP_SECONDS), PLAIN_DECAY)
-            speculating_side.fade(1.0 - VETO_RECOVERY)
+        self._end_to_end.observe(batch, tokens, seconds, speculating)
 
     def end_to_end_speedup(self, batch: int) -> float | None:
         """Measured tokens/s speculating over tokens/s not at this batch size (None: fewer
-        than VETO_MIN_STEPS steps of either yet)."""
-        sides = self._end_to_end.get(batch)
-        if sides is None or min(side.steps for side in sides) < VETO_MIN_STEPS:
-            return None
-        speculating, plain = sides
-        if not plain.tokens:
-            return None
-        return (speculating.tokens / speculating.seconds) / (plain.tokens / plain.seconds)
+        than _VETO_MIN_STEPS steps of either yet)."""
+        return self._end_to_end.speedup(batch)
 
     @property
     def end_to_end_speedups(self) -> dict[int, float]:
         """The measured end-to-end speedup of every batch size with enough steps of both."""
-        speedups = {batch: self.end_to_end_speedup(batch) for batch in sorted(self._end_to_end)}
-        return {batch: speedup for batch, speedup in speedups.items() if speedup is not None}
-
-    def _needs_plain_steps(self, batch: int) -> bool:
-        """Speculation was measured at this batch size, too few plain steps to compare with."""
-        sides = self._end_to_end.get(batch)
-        if sides is None:
-            return False
-        speculating, plain = sides
-        return speculating.steps >= VETO_MIN_STEPS and plain.steps < VETO_MIN_STEPS
+        return self._end_to_end.speedups
 
     def realised_fraction(self, batch: int) -> float:
         """What predicted speedups at this batch size are scaled by: the realised fraction, at
@@ -467,7 +492,7 @@ class Controller:
         end-to-end sides and its realised fraction go, and probes start again from the
         shortest interval."""
         self._cost.forget_shapes(batch)
-        self._end_to_end.pop(batch, None)
+        self._end_to_end.forget(batch)
         self._realised.pop(batch, None)
         for k in range(self._k_max + 1):
             self._pace.pop((batch, k), None)

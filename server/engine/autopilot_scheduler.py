@@ -42,8 +42,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from server.autopilot.acceptance import AcceptanceTracker, expected_tokens_per_step
 from server.autopilot.cost_model import CostModel, StepRecord
 from server.autopilot.idle import IdleReason
-from server.autopilot.lookup import LookupVeto
-from server.autopilot.policy import Controller, Decision, RequestState
+from server.autopilot.policy import Controller, Decision, EndToEnd, RequestState
 from server.autopilot.reports import SchedulerReport, Verified
 from server.engine import vllm_patches
 from server.engine.autopilot_report import Reporter
@@ -98,7 +97,7 @@ class AutopilotScheduler(Scheduler):
                 lookup["index_tokens"],
                 self._cost,
                 self._acceptance,
-                LookupVeto() if self._mode == "auto" else None,
+                EndToEnd() if self._mode == "auto" else None,
             )
             if lookup is not None
             else None

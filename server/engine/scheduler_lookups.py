@@ -8,7 +8,7 @@ machine's verify cost. The scheduler then idles the draft in a step whose reques
 lookups, keeps lookup steps out of what its controller measures of the draft, and feeds each
 finished reply back into its tenant's index. In auto mode lookups also answer to what they
 measured: at a batch size where steps verifying lookups made fewer tokens per second than
-plain steps, none are proposed until that evidence fades (`LookupVeto`). Calibration
+plain steps, none are proposed until that evidence fades (policy.EndToEnd). Calibration
 requests, requests with logit_bias and requests that capped their drafts at 0 get no lookups.
 An exception here turns lookups off for the rest of the process (`vllm_patches.contained`);
 the draft goes on alone.
@@ -20,7 +20,8 @@ from typing import Any
 
 from server.autopilot.acceptance import AcceptanceTracker, tokens_by_k
 from server.autopilot.cost_model import CostModel
-from server.autopilot.lookup import Lookup, LookupVeto, Proposal
+from server.autopilot.lookup import Lookup, Proposal
+from server.autopilot.policy import EndToEnd
 from server.autopilot.reports import SchedulerReport, Verified
 from server.engine import vllm_patches
 from server.engine.request_args import (
@@ -49,7 +50,7 @@ class SchedulerLookups:
         index_tokens: int,
         cost: CostModel,
         acceptance: AcceptanceTracker,
-        veto: LookupVeto | None,
+        veto: EndToEnd | None,
     ) -> None:
         self._lookup = Lookup(max_tokens, index_tokens)
         self._veto = veto  # auto mode: no lookups at a batch size where they measured slower
@@ -76,7 +77,8 @@ class SchedulerLookups:
         batch = len(requests)
         price = self._verify_price(batch)
         chosen: dict[str, Proposal] = {}
-        if self._veto is not None and not self._veto.allows(batch):
+        measured = self._veto.speedup(batch) if self._veto is not None else None
+        if measured is not None and measured < 1.0:
             requests = []
         for request in requests:
             request_id = request.request_id
@@ -132,7 +134,7 @@ class SchedulerLookups:
     def end_to_end(self, batch: int, seconds: float, tokens: int, looked_up: bool) -> None:
         """A decode step without draft work: it verified lookups, or nothing at all."""
         if self._veto is not None:
-            self._veto.observe(batch, seconds, tokens, looked_up)
+            self._veto.observe(batch, tokens, seconds, trying=looked_up)
 
     @vllm_patches.contained("lookup", _nothing)
     def finished(self, request: Any) -> None:

@@ -16,7 +16,8 @@ from prometheus_client import REGISTRY
 from server.autopilot.acceptance import AcceptanceTracker
 from server.autopilot.feed import AutopilotFeed
 from server.autopilot.idle import IdleReason
-from server.autopilot.lookup import LookupVeto, Proposal
+from server.autopilot.lookup import Proposal
+from server.autopilot.policy import EndToEnd
 from server.autopilot.reports import Verified
 from server.engine import autopilot_scheduler, request_args, vllm_patches, vllm_source
 from server.engine.autopilot_report import Reporter
@@ -437,7 +438,7 @@ def test_lookup_steps_teach_the_lookup_and_not_the_draft_s_controller() -> None:
 
 def test_auto_mode_feeds_the_lookup_veto_only_steps_without_draft_work() -> None:
     scheduler = _observing_scheduler("auto")
-    veto = LookupVeto()
+    veto = EndToEnd()
     cost: Any = SimpleNamespace(ready=False)
     lookups = SchedulerLookups(8, 0, cost, AcceptanceTracker(4), veto)
     scheduler._lookups = lookups

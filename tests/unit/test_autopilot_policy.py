@@ -12,7 +12,7 @@ import pytest
 
 from server.autopilot.acceptance import AcceptanceTracker, expected_tokens_per_step
 from server.autopilot.cost_model import CostModel, StepRecord
-from server.autopilot.policy import Controller, Decision, RequestState
+from server.autopilot.policy import Controller, Decision, EndToEnd, RequestState
 
 
 @dataclass(frozen=True)
@@ -972,3 +972,26 @@ def test_spread_says_how_far_apart_repeated_steps_of_each_shape_measured() -> No
     assert cost.spread() == {"1x0": pytest.approx(0.02 / 0.11)}
     cost.observe(StepRecord(0.3, 1, 2, 2, 0))
     assert cost.spread()["1x2"] == pytest.approx(0.1 / 0.2)
+
+
+def test_end_to_end_measures_lookups_slower_until_plain_steps_fade_it() -> None:
+    veto = EndToEnd()
+    assert veto.speedup(8) is None
+    for _ in range(10):
+        veto.observe(8, tokens=8, seconds=0.1, trying=False)  # 80 tok/s plain
+        veto.observe(8, tokens=12, seconds=0.2, trying=True)  # 60 tok/s with lookups
+    assert veto.speedup(8) == pytest.approx(0.75)
+    assert veto.speedup(1) is None  # another batch size measures for itself
+    plain_steps = 0
+    while veto.speedup(8) is not None:  # the evidence fades as plain steps go by
+        veto.observe(8, tokens=8, seconds=0.1, trying=False)
+        plain_steps += 1
+    assert 100 < plain_steps < 5000
+
+
+def test_end_to_end_measures_lookups_that_pay() -> None:
+    veto = EndToEnd()
+    for _ in range(10):
+        veto.observe(1, tokens=1, seconds=0.06, trying=False)
+        veto.observe(1, tokens=5, seconds=0.08, trying=True)
+    assert veto.speedup(1) == pytest.approx(3.75)

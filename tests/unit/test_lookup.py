@@ -10,7 +10,6 @@ from server.autopilot.lookup import (
     NGRAM,
     ContextIndex,
     Lookup,
-    LookupVeto,
     Proposal,
     ReplyIndex,
 )
@@ -152,28 +151,3 @@ def test_verified_length_follows_acceptance_and_price() -> None:
     # Short matches, and replies, learn apart from long matches in the request's own context.
     assert lookup.rates(Proposal([1], NGRAM, "prompt"))[0] == pytest.approx(0.3)
     assert lookup.rates(replace(long_match, origin="replies"))[0] == pytest.approx(0.9)
-
-
-def test_the_veto_stops_lookups_where_they_measured_slower_and_retries_later() -> None:
-    veto = LookupVeto()
-    assert veto.allows(8) and veto.speedup(8) is None
-    for _ in range(10):
-        veto.observe(8, seconds=0.1, tokens=8, looked_up=False)  # 80 tok/s plain
-        veto.observe(8, seconds=0.2, tokens=12, looked_up=True)  # 60 tok/s with lookups
-    assert veto.speedup(8) == pytest.approx(0.75)
-    assert not veto.allows(8)
-    assert veto.allows(1)  # another batch size measures for itself
-    plain_steps = 0
-    while not veto.allows(8):  # the evidence fades as plain steps go by
-        veto.observe(8, seconds=0.1, tokens=8, looked_up=False)
-        plain_steps += 1
-    assert 100 < plain_steps < 5000
-
-
-def test_the_veto_lets_lookups_that_pay_go_on() -> None:
-    veto = LookupVeto()
-    for _ in range(10):
-        veto.observe(1, seconds=0.06, tokens=1, looked_up=False)
-        veto.observe(1, seconds=0.08, tokens=5, looked_up=True)
-    assert veto.speedup(1) == pytest.approx(3.75)
-    assert veto.allows(1)
