@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from server.autopilot.acceptance import AcceptanceTracker, capped_tokens, tokens_by_k
 from server.autopilot.cost_model import MIN_STEP_SECONDS, SHAPE_SAMPLES, CostModel
+from server.autopilot.end_to_end import EndToEnd
 from server.autopilot.idle import IdleReason
 
 # Weight of each request of a steady speculating step in the realised fraction of predicted
@@ -27,24 +28,9 @@ from server.autopilot.idle import IdleReason
 _REALISED_WEIGHT = 0.05
 _REALISED_MAX_WEIGHT = 0.5
 _REALISED_RECOVERY = 0.002
-# End to end at one batch size: output tokens over seconds of every step while it speculates
-# (catch-ups, K changes and the draft's work in prefill steps included) against the same while
-# it does not: the one measure that sees everything speculation costs, steps the cost model does
-# not see as it runs them included. Where speculation measures slower than K = 0, it stops at
-# that batch size.
-# - Prefill steps count on both sides less what the target's prefill costs (learnt from plain
-#   prefill steps), so that a side measured over more prefills does not read slower for it.
-# - The speculating side forgets at _SPECULATING_DECAY per step of its own (about the last 50)
-#   and at _VETO_RECOVERY per plain step: a batch size stopped after 8 steps retries after ~700
-#   plain steps, and a retry of one step recurs every ~220.
-# - The plain side forgets at _PLAIN_DECAY per plain step and at _PLAIN_STALENESS per
-#   speculating step: where speculation runs throughout, one plain step every ~220 keeps the
-#   comparison current (at a new batch size, five plain steps follow its first five).
-_SPECULATING_DECAY = 0.98
-_PLAIN_DECAY = 0.99
-_PLAIN_STALENESS = 0.999
-_VETO_MIN_STEPS = 4.0
-_VETO_RECOVERY = 0.001
+# End to end at one batch size (end_to_end.py), prefill steps count on both sides less what the
+# target's prefill costs (learnt from plain prefill steps), so that a side measured over more
+# prefills does not read slower for it.
 _PREFILL_LEARNING = 0.1  # weight of each plain prefill step in the target's prefill cost
 # The machine's pace: where a settled step at a batch size (the low median of its shape's own
 # full set of samples) stays this far from when it first settled, either way, for as many new
@@ -75,74 +61,6 @@ def _pays_back(catch_up: float, tokens_left: float, baseline: float, faster: flo
     if catch_up <= 0.0:
         return faster > baseline
     return tokens_left * (1.0 / baseline - 1.0 / faster) >= catch_up
-
-
-@dataclass
-class _Side:
-    """Decayed output tokens, seconds and steps of one batch size's speculating or plain steps."""
-
-    tokens: float = 0.0
-    seconds: float = 0.0
-    steps: float = 0.0
-
-    def add(self, tokens: int, seconds: float, decay: float) -> None:
-        self.tokens = decay * self.tokens + tokens
-        self.seconds = decay * self.seconds + seconds
-        self.steps = decay * self.steps + 1.0
-
-    def fade(self, factor: float) -> None:
-        self.tokens, self.seconds, self.steps = (
-            factor * self.tokens,
-            factor * self.seconds,
-            factor * self.steps,
-        )
-
-
-class EndToEnd:
-    """Per batch size, decayed output tokens and seconds of steps doing extra work (speculating,
-    or verifying lookups) against plain steps, as the comment on _SPECULATING_DECAY says: what
-    the controller stops speculation by, and the scheduler stops lookups by."""
-
-    def __init__(self) -> None:
-        self._sides: dict[int, tuple[_Side, _Side]] = {}  # batch size -> (trying, plain)
-
-    def observe(self, batch: int, tokens: int, seconds: float, trying: bool) -> None:
-        trying_side, plain_side = self._sides.setdefault(batch, (_Side(), _Side()))
-        seconds = max(seconds, MIN_STEP_SECONDS)
-        if trying:
-            trying_side.add(tokens, seconds, _SPECULATING_DECAY)
-            plain_side.fade(_PLAIN_STALENESS)
-        else:
-            plain_side.add(tokens, seconds, _PLAIN_DECAY)
-            trying_side.fade(1.0 - _VETO_RECOVERY)
-
-    def speedup(self, batch: int) -> float | None:
-        """Tokens/s trying over tokens/s plain at this batch size (None: fewer than
-        _VETO_MIN_STEPS steps of either yet)."""
-        sides = self._sides.get(batch)
-        if sides is None or min(side.steps for side in sides) < _VETO_MIN_STEPS:
-            return None
-        trying, plain = sides
-        if not plain.tokens:
-            return None
-        return (trying.tokens / trying.seconds) / (plain.tokens / plain.seconds)
-
-    @property
-    def speedups(self) -> dict[int, float]:
-        """The speedup of every batch size with enough steps of both."""
-        speedups = {batch: self.speedup(batch) for batch in sorted(self._sides)}
-        return {batch: speedup for batch, speedup in speedups.items() if speedup is not None}
-
-    def needs_plain_steps(self, batch: int) -> bool:
-        """Trying was measured at this batch size, too few plain steps to compare with."""
-        sides = self._sides.get(batch)
-        if sides is None:
-            return False
-        trying, plain = sides
-        return trying.steps >= _VETO_MIN_STEPS and plain.steps < _VETO_MIN_STEPS
-
-    def forget(self, batch: int) -> None:
-        self._sides.pop(batch, None)
 
 
 @dataclass(frozen=True)
@@ -352,7 +270,7 @@ class Controller:
 
     def end_to_end_speedup(self, batch: int) -> float | None:
         """Measured tokens/s speculating over tokens/s not at this batch size (None: fewer
-        than _VETO_MIN_STEPS steps of either yet)."""
+        than four steps of either yet)."""
         return self._end_to_end.speedup(batch)
 
     @property

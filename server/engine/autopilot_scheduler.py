@@ -41,8 +41,9 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from server.autopilot.acceptance import AcceptanceTracker, expected_tokens_per_step
 from server.autopilot.cost_model import CostModel, StepRecord
+from server.autopilot.end_to_end import EndToEnd
 from server.autopilot.idle import IdleReason
-from server.autopilot.policy import Controller, Decision, EndToEnd, RequestState
+from server.autopilot.policy import Controller, Decision, RequestState
 from server.autopilot.reports import SchedulerReport, Verified
 from server.engine import vllm_patches
 from server.engine.autopilot_report import Reporter

@@ -8,7 +8,7 @@ machine's verify cost. The scheduler then idles the draft in a step whose reques
 lookups, keeps lookup steps out of what its controller measures of the draft, and feeds each
 finished reply back into its tenant's index. In auto mode lookups also answer to what they
 measured: at a batch size where steps verifying lookups made fewer tokens per second than
-plain steps, none are proposed until that evidence fades (policy.EndToEnd). Calibration
+plain steps, none are proposed until that evidence fades (end_to_end.py). Calibration
 requests, requests with logit_bias and requests that capped their drafts at 0 get no lookups.
 An exception here turns lookups off for the rest of the process (`vllm_patches.contained`);
 the draft goes on alone.
@@ -20,8 +20,8 @@ from typing import Any
 
 from server.autopilot.acceptance import AcceptanceTracker, tokens_by_k
 from server.autopilot.cost_model import CostModel
+from server.autopilot.end_to_end import EndToEnd
 from server.autopilot.lookup import Lookup, Proposal
-from server.autopilot.policy import EndToEnd
 from server.autopilot.reports import SchedulerReport, Verified
 from server.engine import vllm_patches
 from server.engine.request_args import (

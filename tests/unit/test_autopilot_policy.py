@@ -12,7 +12,8 @@ import pytest
 
 from server.autopilot.acceptance import AcceptanceTracker, expected_tokens_per_step
 from server.autopilot.cost_model import CostModel, StepRecord
-from server.autopilot.policy import Controller, Decision, EndToEnd, RequestState
+from server.autopilot.end_to_end import EndToEnd
+from server.autopilot.policy import Controller, Decision, RequestState
 
 
 @dataclass(frozen=True)

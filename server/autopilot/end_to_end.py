@@ -1,0 +1,88 @@
+"""End to end at one batch size: output tokens per second of the steps that do extra work
+(speculating, or verifying lookups) against plain steps, each side decayed. The one measure that
+sees everything the extra work costs: the controller (policy.py) stops speculation by it, the
+scheduler's lookups (server/engine/scheduler_lookups.py) stop lookups by it. Stdlib only.
+"""
+
+from dataclasses import dataclass
+
+from server.autopilot.cost_model import MIN_STEP_SECONDS
+
+# How the sides forget (for lookups, "speculating" is the steps that verified lookups):
+# - The speculating side forgets at _SPECULATING_DECAY per step of its own (about the last 50)
+#   and at _VETO_RECOVERY per plain step: a batch size stopped after 8 steps retries after ~700
+#   plain steps, and a retry of one step recurs every ~220.
+# - The plain side forgets at _PLAIN_DECAY per plain step and at _PLAIN_STALENESS per
+#   speculating step: where speculation runs throughout, one plain step every ~220 keeps the
+#   comparison current (at a new batch size, five plain steps follow its first five).
+_SPECULATING_DECAY = 0.98
+_PLAIN_DECAY = 0.99
+_PLAIN_STALENESS = 0.999
+_VETO_MIN_STEPS = 4.0
+_VETO_RECOVERY = 0.001
+
+
+@dataclass
+class _Side:
+    """Decayed output tokens, seconds and steps of one batch size's speculating or plain steps."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    steps: float = 0.0
+
+    def add(self, tokens: int, seconds: float, decay: float) -> None:
+        self.tokens = decay * self.tokens + tokens
+        self.seconds = decay * self.seconds + seconds
+        self.steps = decay * self.steps + 1.0
+
+    def fade(self, factor: float) -> None:
+        self.tokens, self.seconds, self.steps = (
+            factor * self.tokens,
+            factor * self.seconds,
+            factor * self.steps,
+        )
+
+
+class EndToEnd:
+    """Per batch size, the decayed trying and plain sides, and their ratio."""
+
+    def __init__(self) -> None:
+        self._sides: dict[int, tuple[_Side, _Side]] = {}  # batch size -> (trying, plain)
+
+    def observe(self, batch: int, tokens: int, seconds: float, trying: bool) -> None:
+        trying_side, plain_side = self._sides.setdefault(batch, (_Side(), _Side()))
+        seconds = max(seconds, MIN_STEP_SECONDS)
+        if trying:
+            trying_side.add(tokens, seconds, _SPECULATING_DECAY)
+            plain_side.fade(_PLAIN_STALENESS)
+        else:
+            plain_side.add(tokens, seconds, _PLAIN_DECAY)
+            trying_side.fade(1.0 - _VETO_RECOVERY)
+
+    def speedup(self, batch: int) -> float | None:
+        """Tokens/s trying over tokens/s plain at this batch size (None: fewer than
+        _VETO_MIN_STEPS steps of either yet)."""
+        sides = self._sides.get(batch)
+        if sides is None or min(side.steps for side in sides) < _VETO_MIN_STEPS:
+            return None
+        trying, plain = sides
+        if not plain.tokens:
+            return None
+        return (trying.tokens / trying.seconds) / (plain.tokens / plain.seconds)
+
+    @property
+    def speedups(self) -> dict[int, float]:
+        """The speedup of every batch size with enough steps of both."""
+        speedups = {batch: self.speedup(batch) for batch in sorted(self._sides)}
+        return {batch: speedup for batch, speedup in speedups.items() if speedup is not None}
+
+    def needs_plain_steps(self, batch: int) -> bool:
+        """Trying was measured at this batch size, too few plain steps to compare with."""
+        sides = self._sides.get(batch)
+        if sides is None:
+            return False
+        trying, plain = sides
+        return trying.steps >= _VETO_MIN_STEPS and plain.steps < _VETO_MIN_STEPS
+
+    def forget(self, batch: int) -> None:
+        self._sides.pop(batch, None)
