@@ -129,6 +129,18 @@ def test_the_scheduler_counts_the_positions_the_draft_must_catch_up_on() -> None
     assert "gone" not in scheduler._draft_seen
 
 
+def test_a_prefix_from_the_cache_is_priced_as_holding_the_drafts_kv() -> None:
+    """A request whose first 64 prompt tokens the prefix cache served: its first step computes
+    the other 40, and the draft is behind on those alone (draft_sync catches up over the cached
+    blocks the draft did not write, unpriced)."""
+    scheduler = object.__new__(autopilot_scheduler.AutopilotScheduler)
+    scheduler._draft_seen = {}
+    scheduler._draft_idles = True
+    scheduler.requests = {"r": SimpleNamespace(num_computed_tokens=64 + 40)}
+    output = SimpleNamespace(num_scheduled_tokens={"r": 40}, scheduled_spec_decode_tokens={})
+    assert scheduler._draft_behind(output)["r"] == 39
+
+
 def _config() -> EngineConfig:
     return EngineConfig(
         model="m", served_model_name="m", draft_model="d", speculative_method="draft_model",
