@@ -138,7 +138,11 @@ def _propose(proposer: Any, original: Any, values: dict[str, Any]) -> Any:
     rejected_list = [0] * cad.num_reqs if rejected is None else rejected.tolist()
     for i, req_id in enumerate(req_ids):
         query_len = query_start[i + 1] - query_start[i]
-        valid = sync.valid_until[req_id] = starts[i] + query_len - int(rejected_list[i])
+        valid = sync.valid_until[req_id]
+        if valid >= starts[i]:
+            valid = sync.valid_until[req_id] = starts[i] + query_len - int(rejected_list[i])
+        # else the catch-up ran out of token budget before this step's positions: the draft's
+        # KV stays valid only up to where it got, and the next catch-up goes on from there.
         # Blocks the draft wrote this step (catch-up included) and that lie wholly below
         # its valid KV.
         sync.draft_blocks.update(
