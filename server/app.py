@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from server import metrics as server_metrics
-from server.api import chat, completions, create_response, health, metrics, models
+from server.api import chat, completions, create_response, health, metrics, models, render
 from server.api.admission import AdmissionMiddleware
 from server.api.auth import ApiKeyMiddleware
 from server.api.body_limit import BodyLimitsMiddleware
@@ -148,7 +148,7 @@ def create_app(
         app.add_middleware(MetricsPortMiddleware, metrics_port=metrics_port)
     app.add_middleware(RequestMetricsMiddleware)
     app.add_middleware(RequestIdMiddleware)
-    for module in (completions, chat, create_response, models, health, metrics):
+    for module in (completions, chat, create_response, render, models, health, metrics):
         app.include_router(module.router)
 
     @app.exception_handler(APIError)

@@ -114,6 +114,21 @@ def draft_cap(options: SpeculationOptions | None) -> int | None:
     return None if options is None else options.max_draft_tokens
 
 
+# vllm-router re-serializes chat and completion bodies with these fields of vLLM's and
+# SGLang's servers set to their defaults. At those values they ask for what specserve does
+# anyway, so they are taken as absent; any other value is still refused by name.
+ROUTER_DEFAULT_FIELDS: dict[str, bool] = {
+    "ignore_eos": False,
+    "no_stop_trim": False,
+    "continue_final_message": False,
+    "skip_special_tokens": True,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "return_hidden_states": False,
+    "include_reasoning": True,
+}
+
+
 class SamplingFields(StrictRequest):
     """Fields common to /v1/completions and /v1/chat/completions."""
 
@@ -136,6 +151,17 @@ class SamplingFields(StrictRequest):
     # Ids must be in the model's vocabulary, which only the engine knows (checked in serving).
     logit_bias: Annotated[dict[TokenIdKey, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     speculation: SpeculationOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _router_defaults_are_absent(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {
+                key: value
+                for key, value in data.items()
+                if key not in ROUTER_DEFAULT_FIELDS or value is not ROUTER_DEFAULT_FIELDS[key]
+            }
+        return data
 
     @field_validator("logit_bias", mode="wrap")
     @classmethod

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from server.weights.cache_lock import building
+
 logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = ".specserve-complete"
@@ -88,20 +90,22 @@ def pull(
     final = model_dir(cache_dir, model)
     if is_pulled(cache_dir, model):
         return final
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    # The scratch folder sits in the cache so the final rename stays on one
-    # filesystem and is atomic.
-    with tempfile.TemporaryDirectory(prefix=f".{model.name}.", dir=cache_dir) as scratch:
-        work = Path(scratch)
-        gguf_file = work / f"{model.name}.gguf"
-        fetch_gguf(model, gguf_file, report)
-        report(f"{model.name}: converting GGUF to safetensors")
-        converted = work / "converted"
-        _convert(gguf_file, converted)
-        (converted / COMPLETE_MARKER).write_text(f"{model.sha256}\n")
-        if final.exists():
-            shutil.rmtree(final)  # leftover of an older, unmarked layout
-        converted.rename(final)
+    with building(final):
+        if is_pulled(cache_dir, model):
+            return final  # another process pulled it while this one waited
+        # The scratch folder sits in the cache so the final rename stays on one
+        # filesystem and is atomic.
+        with tempfile.TemporaryDirectory(prefix=f".{model.name}.", dir=cache_dir) as scratch:
+            work = Path(scratch)
+            gguf_file = work / f"{model.name}.gguf"
+            fetch_gguf(model, gguf_file, report)
+            report(f"{model.name}: converting GGUF to safetensors")
+            converted = work / "converted"
+            _convert(gguf_file, converted)
+            (converted / COMPLETE_MARKER).write_text(f"{model.sha256}\n")
+            if final.exists():
+                shutil.rmtree(final)  # leftover of an older, unmarked layout
+            converted.rename(final)
     report(f"{model.name}: ready at {final}")
     return final
 

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from server.weights.cache_lock import building
+
 if TYPE_CHECKING:
     import torch
 
@@ -111,16 +113,18 @@ def export(
     marker = final / COMPLETE_MARKER
     if marker.is_file() and marker.read_text().strip() == digest:
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    report(f"{source.name}: exporting {scheme} weights to {final}")
-    with tempfile.TemporaryDirectory(prefix=f".{final.name}.", dir=final.parent) as scratch:
-        work = Path(scratch) / "model"
-        work.mkdir()
-        _write(source, work, scheme)
-        (work / COMPLETE_MARKER).write_text(f"{digest}\n")
-        if final.exists():
-            shutil.rmtree(final)
-        work.rename(final)
+    with building(final):
+        if marker.is_file() and marker.read_text().strip() == digest:
+            return final  # another process exported it while this one waited
+        report(f"{source.name}: exporting {scheme} weights to {final}")
+        with tempfile.TemporaryDirectory(prefix=f".{final.name}.", dir=final.parent) as scratch:
+            work = Path(scratch) / "model"
+            work.mkdir()
+            _write(source, work, scheme)
+            (work / COMPLETE_MARKER).write_text(f"{digest}\n")
+            if final.exists():
+                shutil.rmtree(final)  # a copy of older weights
+            work.rename(final)
     report(f"{source.name}: {scheme} copy ready")
     return final
 

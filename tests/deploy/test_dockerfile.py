@@ -1,10 +1,13 @@
 """The Dockerfile: hadolint finds nothing, and its stages keep the promises the
 docs/deployment.md makes (CPU and GPU targets, BASE_IMAGE, non-root, HEALTHCHECK on /health,
-model cache volume, no build tools or caches in the final images). The real
-build and run is `make image-test` (scripts/image_test.py)."""
+model cache volume, no build tools or caches in the final images), and the router
+target runs the vllm-router the `router` extra pins. The real build and run is
+`make image-test` (scripts/image_test.py)."""
 
+import json
 import re
 import subprocess
+import tomllib
 
 import pytest
 
@@ -15,6 +18,7 @@ pytestmark = pytest.mark.deploy
 
 DOCKERFILE = ROOT / "Dockerfile"
 FINAL_STAGES = ("cpu", "gpu")
+ROUTER_VENV = "/opt/vllm-router"
 
 
 def stages() -> dict[str, list[str]]:
@@ -104,6 +108,52 @@ def test_final_image_is_the_models_the_dependencies_and_the_code_in_that_order(
     for build in ("build", f"build-{stage}"):
         assert not any("server" in line.split()[1:-1] for line in effective(build, "COPY"))
     assert instructions("code", "COPY") == [f"COPY server {site}"]
+
+
+def test_header_lists_every_target_and_gpu_stays_the_default() -> None:
+    header = DOCKERFILE.read_text().split("\nARG ", 1)[0]
+    listed = re.findall(r"^#\s+docker build --target (\S+) -t specserve:(\S+) \.", header, re.M)
+    assert listed == [("cpu", "cpu"), ("gpu", "gpu"), ("router", "router")]
+    # "without one Docker builds the last stage (gpu)", as the header and docs say.
+    assert "builds the last stage (gpu)" in header
+    assert list(stages())[-1] == "gpu"
+
+
+def router_pin() -> str:
+    """The `router` extra's requirement in pyproject.toml: vllm-router==<version>."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    (requirement,) = pyproject["project"]["optional-dependencies"]["router"]
+    assert re.fullmatch(r"vllm-router==[\w.]+", requirement), requirement
+    return str(requirement)
+
+
+def test_router_target_installs_the_router_extras_vllm_router_in_its_own_venv() -> None:
+    assert stages()["router"][0] == "FROM runtime AS router"
+    assert stages()["build-router"][0] == "FROM runtime AS build-router"
+    install = " ".join(instructions("build-router", "RUN"))
+    assert f"python3 -m venv {ROUTER_VENV}" in install
+    assert f"{ROUTER_VENV}/bin/pip install --no-cache-dir {router_pin()}" in install
+    # pip pinned as in the build stage, then the router (and what it requires) alone.
+    build = " ".join(instructions("build", "RUN"))
+    (pip,) = re.findall(r"/opt/specserve/bin/pip install --no-cache-dir (pip==\S+)", build)
+    installed = re.findall(rf"{ROUTER_VENV}/bin/pip install --no-cache-dir (\S+)", install)
+    assert installed == [pip, router_pin()]
+    # The final stage takes the venv and installs nothing itself.
+    assert effective("router", "COPY") == [f"COPY --from=build-router {ROUTER_VENV} {ROUTER_VENV}"]
+    assert not effective("router", "RUN")[1:]
+    assert f"PATH={ROUTER_VENV}/bin:$PATH" in " ".join(effective("router", "ENV"))
+
+
+def test_router_image_is_unprivileged_under_tini_and_listens_on_every_interface() -> None:
+    (user,) = effective("router", "USER")
+    assert user == "USER 1000:1000"
+    assert effective("router", "ENTRYPOINT") == ['ENTRYPOINT ["tini", "--", "vllm-router"]']
+    (cmd,) = effective("router", "CMD")
+    args = json.loads(cmd.removeprefix("CMD "))
+    options = dict(zip(args[::2], args[1::2], strict=True))
+    assert options["--host"] == "0.0.0.0" and options["--prometheus-host"] == "0.0.0.0"
+    exposed = {line.split()[1] for line in effective("router", "EXPOSE")}
+    assert exposed == {options["--port"], options["--prometheus-port"]} == {"8000", "29000"}
 
 
 def test_no_caches_left_in_layers() -> None:

@@ -111,7 +111,11 @@ def test_helm_lint_strict(values: Path | None) -> None:
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 @pytest.mark.parametrize("values", CI_VALUES, ids=lambda v: v.name)
 def test_every_manifest_validates_strictly(rendered: Render, values: Path, version: str) -> None:
-    for manifest in rendered(values):
+    validate_strictly(rendered(values), version, values.name)
+
+
+def validate_strictly(manifests: Manifests, version: str, context: str) -> None:
+    for manifest in manifests:
         name = f"{manifest['kind']}/{manifest['metadata']['name']}"
         try:
             if manifest["kind"] == "LeaderWorkerSet":
@@ -120,7 +124,7 @@ def test_every_manifest_validates_strictly(rendered: Render, values: Path, versi
         except kubernetes_validate.SchemaNotFoundError:
             assert manifest["kind"] in CUSTOM_KINDS, f"{name}: no schema for a core kind"
         except kubernetes_validate.ValidationError as exc:
-            pytest.fail(f"{values.name}: {name} invalid for Kubernetes {version}: {exc}")
+            pytest.fail(f"{context}: {name} invalid for Kubernetes {version}: {exc}")
 
 
 def validate_leaderworkerset(manifest: dict[str, Any], version: str) -> None:
@@ -434,6 +438,8 @@ MULTI_NODE |= {"engine.tensorParallelSize": "8", "modelCache.type": "emptyDir"}
             {**MULTI_NODE, "engine.tensorParallelSize": "4", "engine.pipelineParallelSize": "2"},
             "cannot run a draft model",
         ),
+        ({"router.enabled": "true", "router.metrics.port": "8000"}, "router.metrics.port must"),
+        ({"router.enabled": "true", "router.policy": "kv_aware"}, "router/policy"),
     ],
 )
 def test_chart_refuses_settings_that_cannot_work(sets: dict[str, str], message: str) -> None:
@@ -547,3 +553,235 @@ def test_pipeline_stages_with_ngram_speculation_render_on_several_nodes(rendered
     leader_env = env(manifests)
     assert leader_env["SPECSERVE_PIPELINE_PARALLEL_SIZE"] == "2"
     assert leader_env["SPECSERVE_SPECULATIVE_METHOD"] == "ngram"
+
+
+ROUTER = {"router.enabled": "true"}
+ROUTER_NAME = f"{FULLNAME}-router"
+
+
+def router_deployment(manifests: Manifests) -> dict[str, Any]:
+    return deployment(manifests, ROUTER_NAME)
+
+
+def router_container(manifests: Manifests) -> dict[str, Any]:
+    (found,) = router_deployment(manifests)["spec"]["template"]["spec"]["containers"]
+    result: dict[str, Any] = found
+    return result
+
+
+def flag(args: list[str], name: str) -> list[str]:
+    """The values of a flag given once: the arguments after it, up to the next flag."""
+    assert args.count(name) == 1, f"{name} given {args.count(name)} times: {args}"
+    start = args.index(name) + 1
+    end = next((i for i in range(start, len(args)) if args[i].startswith("--")), len(args))
+    return args[start:end]
+
+
+def labels_of(manifests: Manifests, kind: str, name: str) -> dict[str, str]:
+    (found,) = [m for m in manifests if m["kind"] == kind and m["metadata"]["name"] == name]
+    result: dict[str, str] = found["metadata"]["labels"]
+    return result
+
+
+def test_router_objects_appear_only_when_enabled(rendered: Render) -> None:
+    default = rendered()
+    assert not [m for m in default if m["metadata"]["name"].startswith(ROUTER_NAME)]
+    monitored = rendered(ci_values("monitoring"))
+    assert [m["metadata"]["name"] for m in monitored if m["kind"] == "ServiceMonitor"] == [FULLNAME]
+    manifests = rendered(**ROUTER)
+    assert kinds(manifests) == DEFAULT_KINDS | {"Role", "RoleBinding"}
+    router_objects = {
+        (m["kind"], m["metadata"]["name"])
+        for m in manifests
+        if m["metadata"]["name"].startswith(ROUTER_NAME)
+    }
+    assert router_objects == {
+        ("Deployment", ROUTER_NAME),
+        ("Service", ROUTER_NAME),
+        ("Service", f"{ROUTER_NAME}-metrics"),
+        ("ServiceAccount", ROUTER_NAME),
+        ("Role", ROUTER_NAME),
+        ("RoleBinding", ROUTER_NAME),
+    }
+    # The replicas' own objects are exactly what they are without the router.
+    assert [m for m in manifests if not m["metadata"]["name"].startswith(ROUTER_NAME)] == default
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize(
+    "sets", [ROUTER, {**MULTI_NODE, **ROUTER}], ids=["deployment", "multi-node"]
+)
+def test_router_manifests_validate_strictly(
+    rendered: Render, sets: dict[str, str], version: str
+) -> None:
+    manifests = rendered(**sets)
+    assert {"Role", "RoleBinding"} <= kinds(manifests)
+    validate_strictly(manifests, version, "router.enabled")
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [ROUTER, {**ROUTER, "server.port": "8080"}, {**MULTI_NODE, **ROUTER}],
+    ids=["default", "server-port", "multi-node"],
+)
+def test_router_discovers_the_pods_the_api_service_selects(
+    rendered: Render, sets: dict[str, str]
+) -> None:
+    manifests = rendered(**sets)
+    router = router_container(manifests)
+    assert router["command"] == ["vllm-router"]
+    args = router["args"]
+    assert flag(args, "--service-discovery") == []
+    selector = dict(item.split("=", 1) for item in flag(args, "--selector"))
+    assert selector == service(manifests, FULLNAME)["spec"]["selector"]
+    assert selector.items() <= server_pod_template(manifests)["metadata"]["labels"].items()
+    # Its own namespace (a namespaced watch, which the Role allows), on the replicas' API port.
+    assert flag(args, "--service-discovery-namespace") == [NAMESPACE]
+    api_port = {p["name"]: p["containerPort"] for p in container(manifests)["ports"]}["http"]
+    assert flag(args, "--service-discovery-port") == [str(api_port)]
+    assert str(api_port) == sets.get("server.port", "8000")
+    # Health checks on the replicas' readiness endpoint: 503 while draining, unlike /health.
+    readiness = container(manifests)["readinessProbe"]["httpGet"]["path"]
+    assert flag(args, "--health-check-endpoint") == [readiness] == ["/ready"]
+    # Never the router's own pods, nor a multi-node replica's Ray workers.
+    router_pods = router_deployment(manifests)["spec"]["template"]["metadata"]["labels"]
+    assert not selector.items() <= router_pods.items()
+    for lws in [m for m in manifests if m["kind"] == "LeaderWorkerSet"]:
+        workers = lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["metadata"]["labels"]
+        assert not selector.items() <= workers.items()
+
+
+def test_router_pods_and_replica_pods_never_select_each_other(rendered: Render) -> None:
+    manifests = rendered(ci_values("router"))
+    router_pods = router_deployment(manifests)["spec"]["template"]["metadata"]["labels"]
+    replica_pods = server_pod_template(manifests)["metadata"]["labels"]
+    assert router_pods["app.kubernetes.io/component"] == "router"
+    replica_selectors = [
+        deployment(manifests)["spec"]["selector"]["matchLabels"],
+        service(manifests, FULLNAME)["spec"]["selector"],
+        service(manifests, f"{FULLNAME}-metrics")["spec"]["selector"],
+        only(manifests, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"],
+    ]
+    router_selectors = [
+        router_deployment(manifests)["spec"]["selector"]["matchLabels"],
+        service(manifests, ROUTER_NAME)["spec"]["selector"],
+        service(manifests, f"{ROUTER_NAME}-metrics")["spec"]["selector"],
+    ]
+    for selector in replica_selectors:
+        assert selector.items() <= replica_pods.items()
+        assert not selector.items() <= router_pods.items(), selector
+    for selector in router_selectors:
+        assert selector.items() <= router_pods.items()
+        assert not selector.items() <= replica_pods.items(), selector
+
+
+def test_router_reads_pods_through_a_namespaced_role_of_its_own(rendered: Render) -> None:
+    manifests = rendered(**ROUTER)
+    pod = router_deployment(manifests)["spec"]["template"]["spec"]
+    account = pod["serviceAccountName"]
+    assert labels_of(manifests, "ServiceAccount", account)
+    # The router's Kubernetes client needs the token; the replicas keep none and read no pods.
+    assert pod["automountServiceAccountToken"] is True
+    assert pod_spec(manifests)["serviceAccountName"] != account
+    assert pod_spec(manifests)["automountServiceAccountToken"] is False
+    role, binding = only(manifests, "Role"), only(manifests, "RoleBinding")
+    (rule,) = role["rules"]
+    assert rule["apiGroups"] == [""] and rule["resources"] == ["pods"]
+    assert set(rule["verbs"]) == {"get", "list", "watch"}
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}
+    ]
+    assert not {"ClusterRole", "ClusterRoleBinding"} & kinds(manifests)
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [ROUTER, {**ROUTER, "router.port": "8100", "router.metrics.port": "29100"}],
+    ids=["default", "ports"],
+)
+def test_router_listens_where_its_probes_and_services_look(
+    rendered: Render, sets: dict[str, str]
+) -> None:
+    manifests = rendered(**sets)
+    router = router_container(manifests)
+    args = router["args"]
+    ports = {port["name"]: port["containerPort"] for port in router["ports"]}
+    assert ports == {
+        "http": int(sets.get("router.port", "8000")),
+        "metrics": int(sets.get("router.metrics.port", "29000")),
+    }
+    assert flag(args, "--host") == flag(args, "--prometheus-host") == ["0.0.0.0"]
+    assert flag(args, "--port") == [str(ports["http"])]
+    assert flag(args, "--prometheus-port") == [str(ports["metrics"])]
+    # /readiness: ready with one healthy replica (/health would be 503 with any one down).
+    assert router["readinessProbe"]["httpGet"] == {"path": "/readiness", "port": "http"}
+    assert router["livenessProbe"]["httpGet"] == {"path": "/liveness", "port": "http"}
+    api, metrics = service(manifests, ROUTER_NAME), service(manifests, f"{ROUTER_NAME}-metrics")
+    assert [p["targetPort"] for p in api["spec"]["ports"]] == ["http"]
+    assert [p["targetPort"] for p in metrics["spec"]["ports"]] == ["metrics"]
+    assert metrics["spec"]["type"] == "ClusterIP"
+    assert router["image"] == "specserve:0.1.0-router"
+    assert router["securityContext"]["readOnlyRootFilesystem"] is True
+    pod = router_deployment(manifests)["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    # In-flight requests through the router get as long as the replicas' drain.
+    pre_stop = router["lifecycle"]["preStop"]["exec"]["command"]
+    assert (
+        pod["terminationGracePeriodSeconds"] == pod_spec(manifests)["terminationGracePeriodSeconds"]
+    )
+    assert pre_stop == container(manifests)["lifecycle"]["preStop"]["exec"]["command"]
+
+
+def test_service_monitors_scrape_the_router_apart_from_the_replicas(rendered: Render) -> None:
+    manifests = rendered(ci_values("router"))
+    monitors = {m["metadata"]["name"]: m for m in manifests if m["kind"] == "ServiceMonitor"}
+    assert monitors.keys() == {FULLNAME, ROUTER_NAME}
+    services = [m for m in manifests if m["kind"] == "Service"]
+
+    def scraped(monitor: dict[str, Any]) -> list[str]:
+        selector = monitor["spec"]["selector"]["matchLabels"].items()
+        return [
+            s["metadata"]["name"] for s in services if selector <= s["metadata"]["labels"].items()
+        ]
+
+    assert scraped(monitors[FULLNAME]) == [f"{FULLNAME}-metrics"]
+    assert scraped(monitors[ROUTER_NAME]) == [f"{ROUTER_NAME}-metrics"]
+    monitor, metrics = monitors[ROUTER_NAME], service(manifests, f"{ROUTER_NAME}-metrics")
+    (endpoint,) = monitor["spec"]["endpoints"]
+    (port,) = metrics["spec"]["ports"]
+    assert endpoint["port"] == port["name"] and endpoint["path"] == "/metrics"
+    router = router_container(manifests)
+    (target,) = [p for p in router["ports"] if p["name"] == port["targetPort"]]
+    assert flag(router["args"], "--prometheus-port") == [str(target["containerPort"])]
+    # job="specserve-router": the replicas' SpecserveDown alert (job="specserve") never counts it.
+    assert metrics["metadata"]["labels"][monitor["spec"]["jobLabel"]] == "specserve-router"
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+def test_router_policy_and_extra_args(rendered: Render) -> None:
+    assert flag(router_container(rendered(**ROUTER))["args"], "--policy") == ["cache_aware"]
+    sets = {"router.policy": "round_robin", "router.extraArgs": "{--retry-max-retries,3}"}
+    args = router_container(rendered(**ROUTER, **sets))["args"]
+    assert flag(args, "--policy") == ["round_robin"]
+    assert args[-2:] == ["--retry-max-retries", "3"]
+
+
+@pytest.mark.parametrize("keys", [False, True])
+def test_notes_point_at_the_router(keys: bool) -> None:
+    sets = ["router.enabled=true"]
+    sets += ["apiKeys.enabled=true", "apiKeys.existingSecret=keys"] if keys else []
+    args = [arg for value in sets for arg in ("--set", value)]
+    result = helm(
+        "install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE, *args
+    )
+    assert result.returncode == 0, result.stderr
+    notes = result.stdout.split("NOTES:", 1)[1]
+    assert f"port-forward svc/{ROUTER_NAME} 8000:8000" in notes
+    assert f"port-forward svc/{FULLNAME} " not in notes
+    assert ("/v1/responses reaches the replicas without the client's API key" in notes) is keys

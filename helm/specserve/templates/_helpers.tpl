@@ -92,6 +92,42 @@ app.kubernetes.io/name: {{ include "specserve.name" . }}-redis
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
+{{/* The router's resource names: "<fullname>-router", short enough for "-metrics" after it
+within a Service name's 63 characters. */}}
+{{- define "specserve.routerFullname" -}}
+{{- printf "%s-router" (include "specserve.fullname" . | trunc 48 | trimSuffix "-") }}
+{{- end }}
+
+{{/* Labels that select the router's pods: a name of its own, so neither the replicas' selectors
+(Deployment, Services, PodDisruptionBudget) nor the router's own discovery selector match them. */}}
+{{- define "specserve.routerSelectorLabels" -}}
+app.kubernetes.io/name: {{ printf "%s-router" (include "specserve.name" .) | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Labels on every router object; each adds its app.kubernetes.io/component. */}}
+{{- define "specserve.routerLabels" -}}
+helm.sh/chart: {{ include "specserve.chart" . }}
+{{ include "specserve.routerSelectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* The router's image: router.image.repository or image.repository; the tag defaults to "<appVersion>-router". */}}
+{{- define "specserve.routerImage" -}}
+{{- $repository := default .Values.image.repository .Values.router.image.repository }}
+{{- $tag := default (printf "%s-router" .Chart.AppVersion) .Values.router.image.tag }}
+{{- printf "%s:%s" $repository $tag }}
+{{- end }}
+
+{{/* The router's --selector: the labels of the pods serving HTTP, exactly as the API Service selects
+them (with multiNode, the leaders only), one "key=value" argument each. */}}
+{{- define "specserve.routerDiscoverySelector" -}}
+{{- range $key, $value := include "specserve.serverSelectorLabels" . | fromYaml }}
+- {{ printf "%s=%v" $key $value | quote }}
+{{- end }}
+{{- end }}
+
 {{/* PVC of the model cache: the existing one, or the chart's. */}}
 {{- define "specserve.modelCacheClaimName" -}}
 {{- default (printf "%s-models" (include "specserve.fullname" .)) .Values.modelCache.existingClaim }}
@@ -129,6 +165,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- else if gt $ranks (ternary (int .Values.gpu.count) 1 .Values.gpu.enabled) }}
 {{- fail "engine.tensorParallelSize x engine.pipelineParallelSize must not exceed gpu.count (and needs gpu.enabled); across nodes use multiNode" }}
+{{- end }}
+{{- if and .Values.router.enabled (eq (int .Values.router.port) (int .Values.router.metrics.port)) }}
+{{- fail "router.port and router.metrics.port must differ: the router serves its API and its /metrics on separate listeners" }}
 {{- end }}
 {{- if and .Values.model.draft (eq .Values.speculation.method "ngram") }}
 {{- fail "model.draft is set but speculation.method is ngram: choose one" }}

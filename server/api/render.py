@@ -1,0 +1,63 @@
+"""Route POST /v1/{chat/completions,completions,responses}/render: the prompt token ids a
+request would be generated from, without generating.
+
+vLLM's render contract, which vllm-router's `cache_aware` policy calls on every replica to
+route by token prefix: the same body as the generation route, validated and rendered the
+same way (chat template, tools, fill-in-the-middle), answered with `{"token_ids": [...]}`
+(a list of them for completions, one per prompt). Nothing reaches the engine, so these
+routes are outside admission and rate limits; API keys apply as on every route.
+"""
+
+import asyncio
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel
+
+from server.api.auth import tenant
+from server.api.deps import EngineDep
+from server.api.instrumentation import arrival
+from server.api.replies import GENERATION_RESPONSES
+from server.protocol.chat import ChatCompletionRequest
+from server.protocol.completions import CompletionRequest
+from server.protocol.responses import CreateResponseRequest
+from server.serving import chat, completions, responses
+
+router = APIRouter()
+
+
+class RenderedPrompt(BaseModel):
+    token_ids: list[int]
+
+
+@router.post(
+    "/v1/chat/completions/render", response_model=RenderedPrompt, responses=GENERATION_RESPONSES
+)
+async def render_chat_completion(
+    body: ChatCompletionRequest, request: Request, engine: EngineDep
+) -> RenderedPrompt:
+    prepared = await asyncio.to_thread(
+        chat.prepare, engine, body, arrival(request), tenant(request), None
+    )
+    return RenderedPrompt(token_ids=prepared.request.prompt_token_ids)
+
+
+@router.post(
+    "/v1/completions/render", response_model=list[RenderedPrompt], responses=GENERATION_RESPONSES
+)
+async def render_completion(
+    body: CompletionRequest, request: Request, engine: EngineDep
+) -> list[RenderedPrompt]:
+    prepared = await asyncio.to_thread(
+        completions.prepare, engine, body, arrival(request), tenant(request), None
+    )
+    return [RenderedPrompt(token_ids=r.prompt_token_ids) for r in prepared.requests]
+
+
+@router.post("/v1/responses/render", response_model=RenderedPrompt, responses=GENERATION_RESPONSES)
+async def render_response(
+    body: CreateResponseRequest, request: Request, engine: EngineDep
+) -> RenderedPrompt:
+    prepared = await asyncio.to_thread(
+        responses.prepare, engine, body, arrival(request), tenant(request), None
+    )
+    return RenderedPrompt(token_ids=prepared.request.prompt_token_ids)
