@@ -6,14 +6,15 @@ API keys for --tenants tenants) run for the whole benchmark; routers come and go
 - Overhead: one short chat request at a time, streamed, one output token; the time to first
   token directly from replica a, through a round_robin router over a alone and through a
   cache_aware router over a alone (which first asks a to render the prompt), in ABC CBA order
-  per round, --overhead-rounds rounds. Each prompt is new, so no arm gets a cache hit.
+  per round, --overhead-rounds rounds. Each prompt is new, so no arm gets a cache hit. The
+  added time is each request's TTFT less the mean of its round's direct ones.
 - Routing: a multi-tenant shared-prefix workload. Each tenant has its own key and its own
   long system prompt (the shared-system-prompt workload's, opened by a line naming the
   tenant and the pass, so nothing is shared across tenants or passes); --requests-per-tenant
-  tasks per tenant, interleaved over tenants, two requests in flight (one per replica), through
-  a cache_aware router over both replicas and a round_robin one, in ABBA order over passes.
-  Per pass: the share of prompt tokens the replicas served from their caches (usage
-  `cached_tokens`), and TTFT.
+  tasks per tenant in one seeded random order (the same in every pass), two requests in flight
+  (one per replica), through a cache_aware router over both replicas and a round_robin one, in
+  ABBA order over passes. Per pass: how many requests each replica served, the share of prompt
+  tokens the replicas served from their caches (usage `cached_tokens`), and TTFT.
 
 lscpu goes to <out>/lscpu.txt, every request's record to <out>/requests.jsonl, the tables to
 <out>/router.md (`--tables-only` rebuilds them).
@@ -25,6 +26,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -37,6 +39,7 @@ from typing import Any
 import httpx
 
 from loadtest.launch import stop, wait_until_up
+from loadtest.promscrape import samples
 from loadtest.router import router_command, wait_all_healthy
 from loadtest.workloads import SHARED_SYSTEM_PROMPT
 
@@ -168,6 +171,9 @@ async def _routing_pass(
     url: str, model: str, run: str, tenants: int, per_tenant: int, max_tokens: int
 ) -> list[dict[str, Any]]:
     work = [(t, task) for task in range(per_tenant) for t in range(tenants)]
+    # Arrivals in no tenant's rhythm (round_robin over a fixed rotation of tenants would pin
+    # each tenant to one replica); the same order in every pass.
+    random.Random(0).shuffle(work)
     queue: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
     for item in work:
         queue.put_nowait(item)
@@ -198,18 +204,32 @@ async def _routing(
     order = ["cache_aware", "round_robin", "round_robin", "cache_aware"]
     for number in range(passes):
         policy = order[number % 4]
+        before = [_chat_requests(replica) for replica in replicas]
         with _router(out, replicas, policy, 8421 + 2 * number) as url:
             pass_records = await _routing_pass(
                 url, model, f"{number}", tenants, per_tenant, max_tokens
             )
+        split = [_chat_requests(r) - b for r, b in zip(replicas, before, strict=True)]
+        records.append({"part": "split", "policy": policy, "pass": number, "by_replica": split})
         records += [
             {"part": "routing", "policy": policy, "pass": number, **r} for r in pass_records
         ]
         share = sum(r["cached_tokens"] for r in pass_records) / sum(
             r["prompt_tokens"] for r in pass_records
         )
-        print(f"pass {number} {policy}: cached share {share:.2f}", flush=True)
+        print(f"pass {number} {policy}: cached share {share:.2f}, by replica {split}", flush=True)
     return records
+
+
+def _chat_requests(replica: str) -> float:
+    """Chat requests the replica (its base URL; metrics on the next port) answered with 200."""
+    host, port = replica.rsplit(":", 1)
+    text = httpx.get(f"{host}:{int(port) + 1}/metrics").text
+    return sum(
+        value
+        for labels, value in samples(text).get("specserve_requests_total", [])
+        if labels.get("endpoint") == "/v1/chat/completions" and labels.get("status") == "200"
+    )
 
 
 def _ms(values: list[float]) -> str:
@@ -220,8 +240,8 @@ def tables(records: list[dict[str, Any]]) -> list[str]:
     lines = ["## What the router adds per request", ""]
     overhead = [r for r in records if r["part"] == "overhead"]
     lines += [
-        "| path | requests | TTFT median ms | TTFT mean ms | median added ms |",
-        "|---|---|---|---|---|",
+        "| path | requests | TTFT median ms | added ms, mean (95% interval) |",
+        "|---|---|---|---|",
     ]
     direct: dict[int, list[float]] = {r["round"]: [] for r in overhead}
     for r in overhead:
@@ -229,17 +249,23 @@ def tables(records: list[dict[str, Any]]) -> list[str]:
             direct[r["round"]].append(r["ttft"])
     for arm in ("direct", "round_robin", "cache_aware"):
         ttfts = [r["ttft"] for r in overhead if r["arm"] == arm]
+        # Against the direct requests of the same round (ABC CBA: the same moment on average).
         added = [
-            r["ttft"] - statistics.mean(direct[r["round"]]) for r in overhead if r["arm"] == arm
+            1000 * (r["ttft"] - statistics.mean(direct[r["round"]]))
+            for r in overhead
+            if r["arm"] == arm
         ]
-        lines.append(
-            f"| {arm} | {len(ttfts)} | {_ms(ttfts)} | {1000 * statistics.mean(ttfts):.1f} | "
-            f"{_ms(added) if arm != 'direct' else '-'} |"
-        )
+        interval = "-"
+        if arm != "direct":
+            half = 1.96 * statistics.stdev(added) / len(added) ** 0.5
+            mean = statistics.mean(added)
+            interval = f"{mean:+.1f} ({mean - half:+.1f} to {mean + half:+.1f})"
+        lines.append(f"| {arm} | {len(ttfts)} | {_ms(ttfts)} | {interval} |")
     lines += ["", "## Routing a multi-tenant shared-prefix workload", ""]
     lines += [
-        "| pass | policy | requests | cached share | misses | TTFT median ms | TTFT mean ms |",
-        "|---|---|---|---|---|---|---|",
+        "| pass | policy | requests | by replica | cached share | misses | TTFT median ms | "
+        "TTFT mean ms |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     routing = [r for r in records if r["part"] == "routing"]
     for number in sorted({r["pass"] for r in routing}):
@@ -247,8 +273,12 @@ def tables(records: list[dict[str, Any]]) -> list[str]:
         share = sum(r["cached_tokens"] for r in rows) / sum(r["prompt_tokens"] for r in rows)
         ttfts = [r["ttft"] for r in rows]
         misses = sum(1 for r in rows if r["cached_tokens"] == 0)
+        (split,) = [
+            r["by_replica"] for r in records if r["part"] == "split" and r["pass"] == number
+        ]
         lines.append(
-            f"| {number} | {rows[0]['policy']} | {len(rows)} | {share:.2f} | {misses} | "
+            f"| {number} | {rows[0]['policy']} | {len(rows)} | {'/'.join(f'{n:g}' for n in split)} "
+            f"| {share:.2f} | {misses} | "
             f"{_ms(ttfts)} | {1000 * statistics.mean(ttfts):.1f} |"
         )
     for policy in ("cache_aware", "round_robin"):
@@ -257,7 +287,7 @@ def tables(records: list[dict[str, Any]]) -> list[str]:
             share = sum(r["cached_tokens"] for r in rows) / sum(r["prompt_tokens"] for r in rows)
             ttfts = [r["ttft"] for r in rows]
             lines.append(
-                f"| all | {policy} | {len(rows)} | {share:.2f} | "
+                f"| all | {policy} | {len(rows)} | | {share:.2f} | "
                 f"{sum(1 for r in rows if r['cached_tokens'] == 0)} | {_ms(ttfts)} | "
                 f"{1000 * statistics.mean(ttfts):.1f} |"
             )
@@ -267,9 +297,9 @@ def tables(records: list[dict[str, Any]]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--overhead-rounds", type=int, default=12)
+    parser.add_argument("--overhead-rounds", type=int, default=20)
     parser.add_argument("--passes", type=int, default=4)
-    parser.add_argument("--tenants", type=int, default=4)
+    parser.add_argument("--tenants", type=int, default=6)
     parser.add_argument("--requests-per-tenant", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--tables-only", action="store_true")

@@ -83,6 +83,20 @@ class Replica:
         )
 
 
+class Timeline:
+    """Seconds from its creation to each named event, for the test's printout."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.events: list[str] = []
+
+    def mark(self, event: str) -> None:
+        self.events.append(f"{event} +{time.monotonic() - self.start:.1f} s")
+
+    def __str__(self) -> str:
+        return ", ".join(self.events)
+
+
 @dataclass
 class Router:
     base_url: str
@@ -293,7 +307,9 @@ async def test_a_draining_replica_finishes_its_streams_and_gets_no_new_request(
     async with streams_on_both(round_robin, replicas) as streams:
         assert draining.popen is not None
         draining.popen.send_signal(signal.SIGTERM)  # the server drains: /ready answers 503
+        timeline = Timeline()
         await round_robin.wait_health(draining, healthy=False)
+        timeline.mark("out of rotation")
         served_before = draining.counter("specserve_requests_total", endpoint=CHAT)
         new = [
             await round_robin.client().chat.completions.create(**ask(f"during drain {i}"))
@@ -305,9 +321,13 @@ async def test_a_draining_replica_finishes_its_streams_and_gets_no_new_request(
     print(f"\nstreams during the drain: {outcomes}")
     assert outcomes == ["done"] * 4
     assert draining.popen.wait(timeout=120) == 0
+    timeline.mark("drained and exited")
     draining.start()
     draining.wait_ready()
+    timeline.mark("restarted and ready")
     await round_robin.wait_health(draining, healthy=True)
+    timeline.mark("back in rotation")
+    print(f"after SIGTERM: {timeline}")
     served_before = draining.counter("specserve_requests_total", endpoint=CHAT)
     for i in range(4):
         await round_robin.client().chat.completions.create(**ask(f"after rejoining {i}"))
@@ -321,6 +341,7 @@ async def test_a_killed_replica_fails_only_its_own_streams(
     client = round_robin.client()
     async with streams_on_both(round_robin, replicas) as streams:
         killed.kill()
+        timeline = Timeline()
         # Until the router's health check sees the crash, a new request may still be sent
         # there (the router retries it elsewhere); count what the client sees meanwhile.
         before_seen = []
@@ -330,6 +351,7 @@ async def test_a_killed_replica_fails_only_its_own_streams(
                 before_seen.append("ok")
             except openai.APIError as exc:
                 before_seen.append(type(exc).__name__)
+        timeline.mark("out of rotation")
         after_seen = []
         for i in range(8):
             await client.chat.completions.create(**ask(f"after the check {i}"))
@@ -343,7 +365,10 @@ async def test_a_killed_replica_fails_only_its_own_streams(
     assert outcomes.count("done") == 2
     killed.start()
     killed.wait_ready()
+    timeline.mark("restarted and ready")
     await round_robin.wait_health(killed, healthy=True)
+    timeline.mark("back in rotation")
+    print(f"after SIGKILL: {timeline}")
     served_before = killed.counter("specserve_requests_total", endpoint=CHAT)
     for i in range(4):
         await client.chat.completions.create(**ask(f"after the restart {i}"))
