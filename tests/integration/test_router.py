@@ -203,6 +203,10 @@ async def test_plain_and_streamed_replies_pass_through_with_keys_checked_by_the_
     # The router forwards the client's Authorization; the replica refuses a wrong key.
     with pytest.raises(openai.AuthenticationError):
         await cache_aware.client("sk-wrong").chat.completions.create(**ask("no key"))
+    # vllm-router 0.1.17 forwards /v1/responses without the client's Authorization (only its
+    # own --api-key, unset here): with keys on, Responses must go to a replica directly.
+    with pytest.raises(openai.AuthenticationError):
+        await client.responses.create(model="tiny", input="hi", max_output_tokens=2)
     # A parameter the router adds (at its default) passes; the same one asking for more is
     # refused by name, as OpenAI-style errors coming back through the router.
     with pytest.raises(openai.BadRequestError, match="ignore_eos"):
