@@ -73,8 +73,9 @@ RUN /opt/specserve/bin/pip install --no-cache-dir '.[cuda,ray]'
 # --- build-router: vllm-router (a Rust router with a Python launcher) in a
 # virtualenv of its own: it needs none of specserve's dependencies. Its version
 # is the `router` extra's in pyproject.toml (tests/deploy check they agree); its
-# own dependencies come unpinned, like vLLM's in the stages above. The apt step
-# is the `build` stage's word for word, so the two share one cached layer.
+# own dependencies (unpinned in its metadata) are pinned here to the versions
+# the test suite runs it with. The apt step is the `build` stage's word for
+# word, so the two share one cached layer.
 FROM runtime AS build-router
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -82,7 +83,9 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/vllm-router \
     && /opt/vllm-router/bin/pip install --no-cache-dir pip==26.3 \
-    && /opt/vllm-router/bin/pip install --no-cache-dir vllm-router==0.1.17
+    && /opt/vllm-router/bin/pip install --no-cache-dir vllm-router==0.1.17 \
+        aiohttp==3.14.5 fastapi==0.136.3 orjson==3.13.0 requests==2.34.2 \
+        setproctitle==1.3.8 uvicorn==0.54.0
 
 # --- code: the project's sources where the venv's empty package is, compiled
 # (the server runs as a user who cannot write __pycache__ there). The final

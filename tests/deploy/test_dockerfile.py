@@ -119,25 +119,30 @@ def test_header_lists_every_target_and_gpu_stays_the_default() -> None:
     assert list(stages())[-1] == "gpu"
 
 
-def router_pin() -> str:
-    """The `router` extra's requirement in pyproject.toml: vllm-router==<version>."""
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    (requirement,) = pyproject["project"]["optional-dependencies"]["router"]
-    assert re.fullmatch(r"vllm-router==[\w.]+", requirement), requirement
-    return str(requirement)
+def router_pins() -> list[str]:
+    """What the router needs, pinned as the test suite runs it: the `router` extra of
+    pyproject.toml (vllm-router and its unpinned dependencies) and the project's own pins of
+    the two it shares with specserve (fastapi, uvicorn)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    shared = [r for r in project["dependencies"] if r.split("==")[0] in ("fastapi", "uvicorn")]
+    pins = [*project["optional-dependencies"]["router"], *shared]
+    assert pins[0].startswith("vllm-router==") and len(shared) == 2
+    assert all(re.fullmatch(r"[\w-]+==[\w.]+", pin) for pin in pins), pins
+    return sorted(pins)
 
 
-def test_router_target_installs_the_router_extras_vllm_router_in_its_own_venv() -> None:
+def test_router_target_installs_the_router_extras_pins_in_its_own_venv() -> None:
     assert stages()["router"][0] == "FROM runtime AS router"
     assert stages()["build-router"][0] == "FROM runtime AS build-router"
     install = " ".join(instructions("build-router", "RUN"))
     assert f"python3 -m venv {ROUTER_VENV}" in install
-    assert f"{ROUTER_VENV}/bin/pip install --no-cache-dir {router_pin()}" in install
-    # pip pinned as in the build stage, then the router (and what it requires) alone.
+    # pip pinned as in the build stage, then the router and its dependencies, all pinned.
     build = " ".join(instructions("build", "RUN"))
     (pip,) = re.findall(r"/opt/specserve/bin/pip install --no-cache-dir (pip==\S+)", build)
-    installed = re.findall(rf"{ROUTER_VENV}/bin/pip install --no-cache-dir (\S+)", install)
-    assert installed == [pip, router_pin()]
+    commands = re.findall(rf"{ROUTER_VENV}/bin/pip install --no-cache-dir ([^&]+)", install)
+    first, router = commands
+    assert first.split() == [pip]
+    assert sorted(router.split()) == router_pins()
     # The final stage takes the venv and installs nothing itself.
     assert effective("router", "COPY") == [f"COPY --from=build-router {ROUTER_VENV} {ROUTER_VENV}"]
     assert not effective("router", "RUN")[1:]
