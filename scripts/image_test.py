@@ -6,6 +6,10 @@ reachable (deploy/docker/make-base-image.sh), `docker build --target cpu`,
 then run the image on a tiny generated model (used as its own draft, so
 speculation runs too), wait for /health and the image's HEALTHCHECK to turn
 healthy, send one completion, and stop the container within its drain time.
+Then `docker build --target router` and the compose profile `replicas` in
+containers: two CPU containers named as compose names the replicas, on one
+network, and the router image with the compose file's own router command;
+once the router takes both as healthy, one chat completion through it.
 Prints the build time, the image size, the startup time and how long a rebuild takes
 after a one-line change to server/ (from a copy of the build context).
 
@@ -26,6 +30,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -33,6 +39,8 @@ from tests.tiny_models import build_model  # noqa: E402
 
 CONTAINER = "specserve-image-test"
 HOST_PORT = 18000
+ROUTER_HOST_PORT = 18080
+NETWORK = "specserve-image-test"
 WHEELHOUSE = ROOT / "deploy" / "docker" / "wheels"
 
 
@@ -122,6 +130,73 @@ def complete() -> dict[str, object]:
     with urllib.request.urlopen(request, timeout=120) as response:
         result: dict[str, object] = json.loads(response.read())
         return result
+
+
+def router_over_two_replicas(build: list[str], cpu_tag: str, model: Path) -> float:
+    """Build the router image, run it with docker-compose.yml's router command over two
+    containers of `cpu_tag` named as the compose replicas, and send one chat completion
+    through it; returns the seconds from starting the containers to both replicas healthy
+    in the router's eyes."""
+    router_tag = f"{cpu_tag.split(':')[0]}:router"
+    run(*build[:2], "--target", "router", *build[4:], "-t", router_tag, str(ROOT),
+        env={**os.environ, "DOCKER_BUILDKIT": "0"})  # fmt: skip
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    command = [str(arg) for arg in compose["services"]["router"]["command"]]
+    replicas = ["replica-a", "replica-b"]
+    run("docker", "network", "create", NETWORK, capture=True)
+    try:
+        started = time.monotonic()
+        for name in replicas:
+            run(
+                "docker", "run", "-d", "--name", name, "--network", NETWORK, "--shm-size", "1g",
+                "-v", f"{model}:/srv/tiny:ro", "-e", "SPECSERVE_ALLOW_UNAUTHENTICATED=true",
+                cpu_tag, "serve", "--model", "/srv/tiny", "--draft-model", "/srv/tiny",
+                "--served-model-name", "tiny", "--dtype", "float32", "--kv-cache-gib", "1",
+                "--max-model-len", "512",
+            )  # fmt: skip
+        run(
+            "docker", "run", "-d", "--name", "router", "--network", NETWORK,
+            "-p", f"127.0.0.1:{ROUTER_HOST_PORT}:8000", router_tag, *command,
+        )  # fmt: skip
+        base = f"http://127.0.0.1:{ROUTER_HOST_PORT}"
+
+        def both_healthy() -> bool:
+            with urllib.request.urlopen(f"{base}/workers", timeout=5) as response:
+                workers = json.loads(response.read())["workers"]
+            return len(workers) == 2 and all(w["is_healthy"] for w in workers)
+
+        deadline = time.monotonic() + 900
+        while not answers_true(both_healthy):
+            if time.monotonic() > deadline:
+                raise SystemExit("the router never took both replicas as healthy")
+            time.sleep(2)
+        healthy_after = time.monotonic() - started
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        request = urllib.request.Request(
+            f"{base}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"content-type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            reply = json.loads(response.read())
+        assert reply["usage"]["completion_tokens"] == 4, reply
+        print("chat through the router:", json.dumps(reply)[:300])
+        return healthy_after
+    except BaseException:
+        for name in ("router", *replicas):
+            subprocess.run(["docker", "logs", "--tail", "40", name])
+        raise
+    finally:
+        subprocess.run(["docker", "rm", "-f", "router", *replicas], capture_output=True)
+        subprocess.run(["docker", "network", "rm", NETWORK], capture_output=True)
+
+
+def answers_true(check: Callable[[], bool]) -> bool:
+    """`check()`, or False while what it asks does not answer yet."""
+    try:
+        return check()
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
 
 
 def rebuild_after_a_code_change(build: list[str], work: Path, tag: str) -> float:
@@ -220,11 +295,13 @@ def main() -> int:
             raise
         finally:
             subprocess.run(["docker", "rm", "-f", CONTAINER], capture_output=True)
+        router_seconds = router_over_two_replicas(build, args.tag, model)
         rebuild_seconds = rebuild_after_a_code_change(build, work, f"{args.tag}-rebuild")
         print(
             f"image-test passed: base {base_seconds:.0f} s, build {build_seconds:.0f} s, "
             f"image {args.tag} {size / 1e9:.2f} GB, /health after {up:.0f} s, "
             f"healthy {healthy:.0f} s later, stop {stop_seconds:.0f} s (exit code {exit_code}), "
+            f"router over two replicas healthy after {router_seconds:.0f} s, "
             f"rebuild after a one-line change to server/ {rebuild_seconds:.0f} s"
         )
     finally:
