@@ -9,6 +9,8 @@ routes are outside admission and rate limits; API keys apply as on every route.
 """
 
 import asyncio
+from collections.abc import Callable
+from typing import TypeVar
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
@@ -17,16 +19,30 @@ from server.api.auth import tenant
 from server.api.deps import EngineDep
 from server.api.instrumentation import arrival
 from server.api.replies import GENERATION_RESPONSES
+from server.engine.base import Engine
 from server.protocol.chat import ChatCompletionRequest
 from server.protocol.completions import CompletionRequest
 from server.protocol.responses import CreateResponseRequest
 from server.serving import chat, completions, responses
 
 router = APIRouter()
+Body = TypeVar("Body")
+Prepared = TypeVar("Prepared")
 
 
 class RenderedPrompt(BaseModel):
     token_ids: list[int]
+
+
+async def _prepare(
+    prepare: Callable[[Engine, Body, float, str, float | None], Prepared],
+    engine: Engine,
+    body: Body,
+    request: Request,
+) -> Prepared:
+    """The generation route's own preparation (validation, rendering, tokenizing), off the
+    event loop as there."""
+    return await asyncio.to_thread(prepare, engine, body, arrival(request), tenant(request), None)
 
 
 @router.post(
@@ -35,9 +51,7 @@ class RenderedPrompt(BaseModel):
 async def render_chat_completion(
     body: ChatCompletionRequest, request: Request, engine: EngineDep
 ) -> RenderedPrompt:
-    prepared = await asyncio.to_thread(
-        chat.prepare, engine, body, arrival(request), tenant(request), None
-    )
+    prepared = await _prepare(chat.prepare, engine, body, request)
     return RenderedPrompt(token_ids=prepared.request.prompt_token_ids)
 
 
@@ -47,9 +61,7 @@ async def render_chat_completion(
 async def render_completion(
     body: CompletionRequest, request: Request, engine: EngineDep
 ) -> list[RenderedPrompt]:
-    prepared = await asyncio.to_thread(
-        completions.prepare, engine, body, arrival(request), tenant(request), None
-    )
+    prepared = await _prepare(completions.prepare, engine, body, request)
     return [RenderedPrompt(token_ids=r.prompt_token_ids) for r in prepared.requests]
 
 
@@ -57,7 +69,5 @@ async def render_completion(
 async def render_response(
     body: CreateResponseRequest, request: Request, engine: EngineDep
 ) -> RenderedPrompt:
-    prepared = await asyncio.to_thread(
-        responses.prepare, engine, body, arrival(request), tenant(request), None
-    )
+    prepared = await _prepare(responses.prepare, engine, body, request)
     return RenderedPrompt(token_ids=prepared.request.prompt_token_ids)

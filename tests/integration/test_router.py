@@ -304,6 +304,19 @@ async def streams_on_both(
     yield tasks
 
 
+async def rejoins(replica: Replica, router: Router, timeline: Timeline) -> None:
+    """Start `replica` again: once ready, the router takes it back and sends it requests."""
+    replica.start()
+    replica.wait_ready()
+    timeline.mark("restarted and ready")
+    await router.wait_health(replica, healthy=True)
+    timeline.mark("back in rotation")
+    served_before = replica.counter("specserve_requests_total", endpoint=CHAT)
+    for i in range(4):
+        await router.client().chat.completions.create(**ask(f"after rejoining {i}"))
+    assert replica.counter("specserve_requests_total", endpoint=CHAT) > served_before
+
+
 async def test_a_draining_replica_finishes_its_streams_and_gets_no_new_request(
     replicas: list[Replica], round_robin: Router
 ) -> None:
@@ -326,16 +339,8 @@ async def test_a_draining_replica_finishes_its_streams_and_gets_no_new_request(
     assert outcomes == ["done"] * 4
     assert draining.popen.wait(timeout=120) == 0
     timeline.mark("drained and exited")
-    draining.start()
-    draining.wait_ready()
-    timeline.mark("restarted and ready")
-    await round_robin.wait_health(draining, healthy=True)
-    timeline.mark("back in rotation")
+    await rejoins(draining, round_robin, timeline)
     print(f"after SIGTERM: {timeline}")
-    served_before = draining.counter("specserve_requests_total", endpoint=CHAT)
-    for i in range(4):
-        await round_robin.client().chat.completions.create(**ask(f"after rejoining {i}"))
-    assert draining.counter("specserve_requests_total", endpoint=CHAT) > served_before
 
 
 async def test_a_killed_replica_fails_only_its_own_streams(
@@ -367,13 +372,5 @@ async def test_a_killed_replica_fails_only_its_own_streams(
     )
     # The two streams on the killed replica end in an error, never as a clean short reply.
     assert outcomes.count("done") == 2
-    killed.start()
-    killed.wait_ready()
-    timeline.mark("restarted and ready")
-    await round_robin.wait_health(killed, healthy=True)
-    timeline.mark("back in rotation")
+    await rejoins(killed, round_robin, timeline)
     print(f"after SIGKILL: {timeline}")
-    served_before = killed.counter("specserve_requests_total", endpoint=CHAT)
-    for i in range(4):
-        await client.chat.completions.create(**ask(f"after the restart {i}"))
-    assert killed.counter("specserve_requests_total", endpoint=CHAT) > served_before
