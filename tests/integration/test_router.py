@@ -249,6 +249,42 @@ async def test_a_repeated_prefix_stays_on_one_replica_under_cache_aware(
     assert spread.count(0) == 2 and all(tokens > 0 for tokens in spread_by_replica)
 
 
+async def test_cache_aware_routes_by_prefix_not_by_load(
+    replicas: list[Replica], cache_aware: Router
+) -> None:
+    """With a long stream in flight on the replica holding a prefix, the next request with that
+    prefix still goes there. Least-loaded routing, what the router falls back to when replicas
+    cannot render prompts into token ids, would send it to the idle replica, which misses."""
+    # Short enough that the long stream fits in the tiny model's 2048 tokens.
+    system = " ".join(f"clause {i}: keep the reply short and exact." for i in range(15))
+
+    def request(user: str, max_tokens: int) -> dict[str, Any]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        return {"model": "tiny", "messages": messages, "max_tokens": max_tokens}
+
+    client = cache_aware.client()
+    before = [r.counter("specserve_prompt_cached_tokens_total", tenant="team") for r in replicas]
+    await client.chat.completions.create(**request("first question", 2))
+    started = asyncio.Event()
+    stream = asyncio.create_task(
+        long_stream(client, started, request("a long story", LONG_STREAM_TOKENS))
+    )
+    waiting = asyncio.create_task(started.wait())
+    await asyncio.wait([stream, waiting], timeout=120, return_when=asyncio.FIRST_COMPLETED)
+    assert started.is_set(), stream.result() if stream.done() else "no token in 120 s"
+    busy = [r.counter("specserve_requests_in_flight", endpoint=CHAT) for r in replicas]
+    reply = await client.chat.completions.create(**request("second question", 2))
+    assert await stream == "done"
+    after = [r.counter("specserve_prompt_cached_tokens_total", tenant="team") for r in replicas]
+    cached = [a - b for a, b in zip(after, before, strict=True)]
+    assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+    print(f"\nin flight by replica {busy}; cached tokens by replica {cached}")
+    # The stream followed the prefix to its replica, and so did the request sent meanwhile.
+    assert sorted(busy) == [0, 1]
+    assert (reply.usage.prompt_tokens_details.cached_tokens or 0) > 0
+    assert cached[busy.index(1)] > 0 and cached[busy.index(0)] == 0
+
+
 async def test_one_tenant_limit_holds_across_both_replicas(
     replicas: list[Replica], round_robin: Router
 ) -> None:
@@ -276,12 +312,13 @@ async def test_one_tenant_limit_holds_across_both_replicas(
     assert all(count > 0 for count in served)
 
 
-async def long_stream(client: openai.AsyncOpenAI, started: asyncio.Event, i: int) -> str:
-    """A long streamed reply: "done" when it ended normally, else the error that ended it."""
+async def long_stream(
+    client: openai.AsyncOpenAI, started: asyncio.Event, request: dict[str, Any]
+) -> str:
+    """`request` streamed (set `started` at its first token): "done" when it ended normally,
+    else the error that ended it."""
     try:
-        stream = await client.chat.completions.create(
-            **ask(f"long story {i}", LONG_STREAM_TOKENS), stream=True
-        )
+        stream = await client.chat.completions.create(**request, stream=True)
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 started.set()
@@ -297,7 +334,10 @@ async def streams_on_both(
     """Four long streams through round_robin, two on each replica, all producing tokens."""
     client = router.client()
     events = [asyncio.Event() for _ in range(4)]
-    tasks = [asyncio.create_task(long_stream(client, e, i)) for i, e in enumerate(events)]
+    tasks = [
+        asyncio.create_task(long_stream(client, e, ask(f"long story {i}", LONG_STREAM_TOKENS)))
+        for i, e in enumerate(events)
+    ]
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 120)
     running = [r.counter("specserve_requests_in_flight", endpoint=CHAT) for r in replicas]
     assert running == [2, 2], running
