@@ -38,12 +38,13 @@ from typing import Any
 
 import httpx
 
-from loadtest.launch import stop, wait_until_up
-from loadtest.promscrape import samples
-from loadtest.router import router_command, wait_all_healthy
-from loadtest.workloads import SHARED_SYSTEM_PROMPT
+# The scripts folder is on sys.path when this file runs as a script.
+from bench_loadtest import _start
 
-STARTUP_SECONDS = 1800
+from loadtest.launch import stop
+from loadtest.promscrape import samples
+from loadtest.router import router_command
+from loadtest.workloads import SHARED_SYSTEM_PROMPT
 
 
 def _key(tenant: int) -> str:
@@ -56,22 +57,15 @@ def _replicas(out: Path, tenants: int, engine_flags: list[str]) -> Iterator[list
     entries = [{"key": _key(t), "tenant": f"tenant-{t}"} for t in range(tenants)]
     keys.write_text(json.dumps({"keys": entries}))
     processes, urls = [], []
-    for core, (port, metrics_port) in enumerate(((8401, 8402), (8403, 8404))):
-        command = [
-            sys.executable, "-m", "server", "serve", "--port", str(port),
-            "--metrics-port", str(metrics_port), "--api-key-file", str(keys), *engine_flags,
-        ]  # fmt: skip
-        log = out / f"replica-{core}.log"
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
-        print(" ".join(command), f"(VLLM_CPU_OMP_THREADS_BIND={core})", flush=True)
-        with log.open("w") as sink:
-            processes.append(
-                subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
-            )
-        urls.append(f"http://127.0.0.1:{port}")
     try:
-        for process, url, core in zip(processes, urls, (0, 1), strict=True):
-            wait_until_up(process, f"{url}/ready", STARTUP_SECONDS, out / f"replica-{core}.log")
+        for core, (port, metrics_port) in enumerate(((8401, 8402), (8403, 8404))):
+            command = [
+                sys.executable, "-m", "server", "serve", "--port", str(port),
+                "--metrics-port", str(metrics_port), "--api-key-file", str(keys), *engine_flags,
+            ]  # fmt: skip
+            env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
+            processes.append(_start(f"replica-{core}", command, env, port, out)[0])
+            urls.append(f"http://127.0.0.1:{port}")
         yield urls
     finally:
         for process in processes:
@@ -80,20 +74,14 @@ def _replicas(out: Path, tenants: int, engine_flags: list[str]) -> Iterator[list
 
 @contextmanager
 def _router(out: Path, workers: list[str], policy: str, port: int) -> Iterator[str]:
-    log = out / f"router-{policy}-{port}.log"
-    with log.open("w") as sink:
-        process = subprocess.Popen(
-            router_command(workers, port, port + 1, policy),
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
+    """A router on `port` (metrics on the next one); up once its /health says every worker is
+    healthy."""
+    command = router_command(workers, port, port + 1, policy)
+    process, _ = _start(f"router-{policy}-{port}", command, dict(os.environ), port, out)
     try:
-        wait_all_healthy(process, url, 120, log)
-        yield url
+        yield f"http://127.0.0.1:{port}"
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        stop(process)
 
 
 def _served_model(url: str) -> str:
