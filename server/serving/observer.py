@@ -176,8 +176,9 @@ class RequestObserver:
         first = last = now
         if output.token_times is not None:
             first, last = output.token_times.first, output.token_times.last
-        self._prompt_tokens[position] = output.prompt_tokens
-        self._cached_tokens[position] = output.cached_tokens
+        if position not in self._prompt_tokens:  # both known from the first output on
+            self._prompt_tokens[position] = output.prompt_tokens
+            self._cached_tokens[position] = output.cached_tokens
         for choice in output.choices:
             if choice.speculation is not None:
                 self.speculation.append(choice.speculation)
