@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from server.api.auth import tenant
 from server.api.deps import EngineDep
 from server.api.instrumentation import arrival
-from server.api.replies import GENERATION_RESPONSES
+from server.api.replies import error_responses
 from server.engine.base import Engine
 from server.protocol.chat import ChatCompletionRequest
 from server.protocol.completions import CompletionRequest
@@ -26,6 +26,8 @@ from server.protocol.responses import CreateResponseRequest
 from server.serving import chat, completions, responses
 
 router = APIRouter()
+# The generation routes' errors but those of admission (429) and deadlines (504): JSON only.
+RENDER_ERRORS = error_responses(400, 401, 404, 413, 503)
 Body = TypeVar("Body")
 Prepared = TypeVar("Prepared")
 
@@ -45,9 +47,7 @@ async def _prepare(
     return await asyncio.to_thread(prepare, engine, body, arrival(request), tenant(request), None)
 
 
-@router.post(
-    "/v1/chat/completions/render", response_model=RenderedPrompt, responses=GENERATION_RESPONSES
-)
+@router.post("/v1/chat/completions/render", response_model=RenderedPrompt, responses=RENDER_ERRORS)
 async def render_chat_completion(
     body: ChatCompletionRequest, request: Request, engine: EngineDep
 ) -> RenderedPrompt:
@@ -55,9 +55,7 @@ async def render_chat_completion(
     return RenderedPrompt(token_ids=prepared.request.prompt_token_ids)
 
 
-@router.post(
-    "/v1/completions/render", response_model=list[RenderedPrompt], responses=GENERATION_RESPONSES
-)
+@router.post("/v1/completions/render", response_model=list[RenderedPrompt], responses=RENDER_ERRORS)
 async def render_completion(
     body: CompletionRequest, request: Request, engine: EngineDep
 ) -> list[RenderedPrompt]:
@@ -65,7 +63,7 @@ async def render_completion(
     return [RenderedPrompt(token_ids=r.prompt_token_ids) for r in prepared.requests]
 
 
-@router.post("/v1/responses/render", response_model=RenderedPrompt, responses=GENERATION_RESPONSES)
+@router.post("/v1/responses/render", response_model=RenderedPrompt, responses=RENDER_ERRORS)
 async def render_response(
     body: CreateResponseRequest, request: Request, engine: EngineDep
 ) -> RenderedPrompt:
