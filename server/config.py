@@ -101,15 +101,15 @@ class Settings(BaseSettings):
         "checkpoint's own weights elsewhere and on a GPU. The choice and why are logged at "
         "startup.",
     )
-    draft_quantization: Literal["auto", "none", "int8"] = Field(
+    draft_quantization: Literal["auto", "none", "int8", "fp8"] = Field(
         "auto",
         description="`int8`: run the draft from an int8 copy of its linear layers "
         "(compressed-tensors "
         "W8A8 on vLLM's int8 kernels), exported once into the cache folder; needs a local "
-        "draft folder (the embedded one is). `auto`: `int8` on a CPU with int8 dot-product "
-        "units (`amx_int8`, `avx512_vnni` or `avx_vnni` flag), `fp8` (vLLM's online "
-        "quantization) on a GPU, untested there; `none` elsewhere. The choice and why are "
-        "logged at startup.",
+        "draft folder (the embedded one is). `fp8`: vLLM's online fp8, GPU only, untested "
+        "here. `auto`: `int8` on a CPU with int8 dot-product "
+        "units (`amx_int8`, `avx512_vnni` or `avx_vnni` flag), the draft's own weights "
+        "elsewhere and on a GPU. The choice and why are logged at startup.",
     )
     draft_vocab: int | Literal["auto", "none"] = Field(
         "auto",
@@ -126,8 +126,9 @@ class Settings(BaseSettings):
         description="hybrid: each request's continuation is looked up in its own prompt and "
         "reply and in its tenant's earlier replies, proposed for free (no forward pass) where "
         "it is expected to beat the draft model, and drafted by --draft-model otherwise; "
-        "the draft alone on GPUs and without the autopilot's scheduler. draft_model: --draft-model "
-        "alone. ngram: vLLM's prompt lookup alone, no draft.",
+        "the draft alone on GPUs without --gpu-engine-patches and without the autopilot's "
+        "scheduler. draft_model: --draft-model alone. ngram: vLLM's prompt lookup alone, no "
+        "draft.",
     )
     lookup_max_tokens: int = Field(
         DEFAULT_LOOKUP_MAX_TOKENS,
@@ -160,6 +161,15 @@ class Settings(BaseSettings):
         ge=1,
         description="Fixed mode: speculate only while at most this many requests share "
         "an engine step; larger batches decode without a draft.",
+    )
+    gpu_engine_patches: bool = Field(
+        False,
+        description="On a GPU, run specserve's patches inside vLLM's engine (the autopilot, "
+        "the idle draft, lookups, per-request draft caps, logit_bias with speculation, seeds "
+        "independent of K, the trimmed draft head) with vLLM's synchronous scheduling and its "
+        "V1 model runner. They have run on CPUs only, never on a GPU. Off: vLLM's own "
+        "speculation, runner and scheduling, with a fixed K; the features that need a patch "
+        'are refused (docs/deployment.md, "On GPUs"). Always on on CPUs.',
     )
     no_speculation: bool = Field(
         False, description="Serve the target alone, without any speculation."

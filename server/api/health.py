@@ -5,9 +5,13 @@ orchestrator does not kill a pod that is finishing its requests. /ready is 200
 only when the models are loaded, the engine is alive and the server is not
 draining: it is what takes a replica out of a load balancer. /health's body
 also says what the engine runs: the model and its dtype, with the reason the
-dtype was chosen, and what the speculation autopilot measured and decided
+dtype was chosen, how the engine runs speculation inside vLLM (vLLM's own or
+with specserve's patches, its model runner, scheduling mode and patches in
+force, and why), and what the speculation autopilot measured and decided
 last (`details`).
 """
+
+from dataclasses import asdict
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -29,6 +33,7 @@ async def health(engine: EngineDep) -> JSONResponse:
         "model": info.model_name,
         "dtype": info.dtype,
         "dtype_reason": info.dtype_reason,
+        "engine": None if info.mode is None else asdict(info.mode),
         "autopilot": engine.autopilot_state(),
     }
     return JSONResponse({"status": "ok", "details": details})

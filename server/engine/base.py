@@ -145,6 +145,17 @@ class SpeculationInfo:
 
 
 @dataclass(frozen=True)
+class EngineMode:
+    """How the engine runs inside vLLM, for the startup line and /health."""
+
+    speculation: str  # "vllm": vLLM's own; "specserve": with specserve's patches in its engine
+    runner: str  # vLLM's model runner: "v1" or "v2"
+    async_scheduling: bool  # vLLM's scheduling mode, as its config resolved it
+    patches: tuple[str, ...]  # specserve's patches in force inside vLLM's engine
+    reason: str
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     model_name: str
     max_model_len: int
@@ -153,6 +164,7 @@ class EngineInfo:
     speculation: SpeculationInfo | None = None
     dtype: str = "unknown"  # what the weights run in, e.g. "float32"
     dtype_reason: str = ""  # why: "set by --dtype", or what the hardware offers
+    mode: EngineMode | None = None
 
 
 class Engine(Protocol):

@@ -22,7 +22,7 @@ from server.engine import vllm_patches, vllm_source
 
 _PIN = re.compile(r"^(vllm(?:-cpu)?)==([\w.]+)")
 # Wide enough for the longest patch name, so the report lines up.
-NAME_WIDTH = max(len(patch.name) for patch in vllm_patches.PATCHES) + 1
+NAME_WIDTH = max(len("sync scheduling"), *(len(patch.name) for patch in vllm_patches.PATCHES)) + 1
 
 
 def pins(pyproject: Path) -> list[tuple[str, str]]:
@@ -78,6 +78,14 @@ def check(distribution: str, version: str, cache: Path) -> tuple[list[str], bool
         ok &= not lacking
         status = "OK" if not lacking else "LACKS " + ", ".join(lacking)
         lines.append(f"  {patch.name:<{NAME_WIDTH}} {status}")
+    scheduling = vllm_patches.sync_scheduling_missing(source)
+    ok &= not scheduling
+    lines.append(
+        f"  {'sync scheduling':<{NAME_WIDTH}} "
+        f"{'OK' if not scheduling else 'LACKS ' + ', '.join(scheduling)} (async_scheduling=False "
+        "is honoured, our scheduler class is used, and drafts reach the scheduler while it is "
+        "off: what the synchronous patches need)"
+    )
     runner = vllm_source.check_hook(source, vllm_patches.RUNNER_CHOICE)
     ok &= not runner
     lines.append(

@@ -6,9 +6,9 @@ Owns the `auto` decisions. `--dtype`: on a GPU the model's own dtype (vLLM's
 slower than float32 (on an AVX2-only CPU prefill is several times slower and
 verifying K+1 draft tokens costs about twice one). `--quantization` (the target) and
 `--draft-quantization`: int8 where the CPU has int8 dot-product units (measured faster
-there, docs/benchmarks.md; an AVX2-only CPU is unmeasured); on a GPU the target's own
-weights and vLLM's fp8 for the draft. A setting the user made always wins. Reads the
-CPU flags from /proc/cpuinfo; imports neither vllm nor torch.
+there, docs/benchmarks.md; an AVX2-only CPU is unmeasured); on a GPU the checkpoints' own
+weights (fp8, untested on a GPU here, only when asked). A setting the user made always
+wins. Reads the CPU flags from /proc/cpuinfo; imports neither vllm nor torch.
 """
 
 from collections.abc import Iterable
@@ -83,7 +83,7 @@ def _int8_dot_flag(cpu_flags: Iterable[str] | None) -> str | None:
 
 
 def choose_draft_quantization(
-    requested: Literal["auto", "none", "int8"],
+    requested: Literal["auto", "none", "int8", "fp8"],
     *,
     on_gpu: bool,
     local_draft: bool,
@@ -93,7 +93,9 @@ def choose_draft_quantization(
     if requested != "auto":
         return QuantizationChoice(requested, "set by --draft-quantization")
     if on_gpu:
-        return QuantizationChoice("fp8", "GPU: vLLM's online fp8 for the draft (untested)")
+        return QuantizationChoice(
+            "none", "GPU: the draft's own weights (fp8 only when asked: --draft-quantization fp8)"
+        )
     if not local_draft:
         return QuantizationChoice("none", "the draft is not a local folder to export from")
     flag = _int8_dot_flag(cpu_flags)

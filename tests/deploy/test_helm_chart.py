@@ -281,6 +281,16 @@ def test_existing_api_keys_secret_is_mounted_not_created(rendered: Render) -> No
     assert "SPECSERVE_API_KEY_FILE" in env(manifests)
 
 
+def test_gpu_pods_run_vllms_own_speculation_unless_the_engine_patches_are_asked_for(
+    rendered: Render,
+) -> None:
+    assert "SPECSERVE_GPU_ENGINE_PATCHES" not in env(rendered(ci_values("gpu")))
+    opted = rendered(ci_values("gpu"), **{"gpu.enginePatches": "true"})
+    assert env(opted)["SPECSERVE_GPU_ENGINE_PATCHES"] == "true"
+    # Meaningless without GPUs: a CPU pod always runs them, and is not told otherwise.
+    assert "SPECSERVE_GPU_ENGINE_PATCHES" not in env(rendered(**{"gpu.enginePatches": "true"}))
+
+
 def test_without_api_keys_nothing_secret_is_wired_and_open_access_is_explicit(
     rendered: Render,
 ) -> None:

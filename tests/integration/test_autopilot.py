@@ -145,8 +145,17 @@ async def test_auto_mode_calibrates_decides_and_reports(auto_server: RunningServ
         if not summary["applied"]:
             assert summary["reason"] in {"not_paying", "batch_too_large", "too_short"}
         text = (await http.get("/metrics")).text
-        state = (await http.get("/health")).json()["details"]["autopilot"]
+        details = (await http.get("/health")).json()["details"]
+    state = details["autopilot"]
     assert state["mode"] == "auto" and state["cost_ready"], state
+    # vLLM's resolved config: the V1 runner and the synchronous scheduling the patches need.
+    engine = details["engine"]
+    assert (engine["speculation"], engine["runner"], engine["async_scheduling"]) == (
+        "specserve",
+        "v1",
+        False,
+    )
+    assert {"autopilot", "draft_idle", "seeded_sampling"} <= set(engine["patches"]), engine
     assert state["draft_seconds_per_token"] >= 0 and state["verify_seconds_per_token"] >= 0
     assert state["plain_step_seconds"] > 0
     assert len(state["acceptance_by_position"]) == 3

@@ -19,6 +19,7 @@ from typing import Any
 from server.engine.base import (
     ChoiceDelta,
     EngineInfo,
+    EngineMode,
     EngineOutput,
     GenerationRequest,
     ParsedReply,
@@ -87,6 +88,7 @@ class ScriptedEngine:
             speculation=SpeculationInfo("draft_model", 3, 1),
             dtype="float32",
             dtype_reason="set by --dtype",
+            mode=EngineMode("vllm", "v1", False, (), "scripted"),
         )
 
     def autopilot_state(self) -> dict[str, Any] | None:

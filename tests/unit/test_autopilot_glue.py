@@ -473,8 +473,8 @@ def test_auto_mode_feeds_the_lookup_veto_only_steps_without_draft_work() -> None
     assert _propose(lookups, [_request("r", COPY)]) == {}  # vetoed at one request
 
 
-def test_the_hybrid_asks_for_lookups_on_a_cpu_and_runs_the_draft_alone_on_a_gpu(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+def test_the_hybrid_asks_for_lookups_on_a_cpu_and_on_a_gpu_only_with_the_engine_patches(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from server.engine import vllm_engine
 
@@ -482,9 +482,8 @@ def test_the_hybrid_asks_for_lookups_on_a_cpu_and_runs_the_draft_alone_on_a_gpu(
     assert "lookup" in VllmEngine(hybrid)._usable_patches()
     assert "lookup" not in VllmEngine(_config())._usable_patches()  # draft_model
     monkeypatch.setattr(vllm_engine, "has_gpu", lambda: True)
-    with caplog.at_level(logging.WARNING):
-        assert "lookup" not in VllmEngine(hybrid)._usable_patches()
-    assert "hybrid on a GPU runs the draft alone" in caplog.text
+    assert VllmEngine(replace(hybrid, engine_patches=False))._usable_patches() == []
+    assert "lookup" in VllmEngine(hybrid)._usable_patches()
     spec = VllmEngine(hybrid)._speculative_config(autopilot=True, lookups=True)
     assert spec is not None
     assert (spec["method"], spec["num_speculative_tokens"]) == ("draft_model", 8)

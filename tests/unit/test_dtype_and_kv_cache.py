@@ -196,6 +196,13 @@ async def test_health_shows_the_dtype_and_why(client: httpx.AsyncClient) -> None
             "model": "scripted",
             "dtype": "float32",
             "dtype_reason": "set by --dtype",
+            "engine": {
+                "speculation": "vllm",
+                "runner": "v1",
+                "async_scheduling": False,
+                "patches": [],
+                "reason": "scripted",
+            },
             "autopilot": None,
         },
     }

@@ -102,6 +102,10 @@ spec:
         - name: SPECSERVE_NO_SPECULATION
           value: "true"
         {{- end }}
+        {{- if and .Values.gpu.enabled .Values.gpu.enginePatches }}
+        - name: SPECSERVE_GPU_ENGINE_PATCHES
+          value: "true"
+        {{- end }}
         - name: SPECSERVE_DTYPE
           value: {{ .Values.engine.dtype | quote }}
         {{- with .Values.engine.maxModelLen }}
