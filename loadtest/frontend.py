@@ -144,6 +144,9 @@ class SyntheticEngine:
     def unfinished_requests(self) -> int:
         return self._unfinished
 
+    def memory(self) -> dict[str, Any] | None:
+        return None
+
     def autopilot_state(self) -> dict[str, Any] | None:
         return None
 

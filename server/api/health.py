@@ -7,8 +7,9 @@ draining: it is what takes a replica out of a load balancer. /health's body
 also says what the engine runs: the model and its dtype, with the reason the
 dtype was chosen, how the engine runs speculation inside vLLM (vLLM's own or
 with specserve's patches, its model runner, scheduling mode and patches in
-force, and why), and what the speculation autopilot measured and decided
-last (`details`).
+force, and why), what its processes hold against the weights and KV cache
+planned, and what the speculation autopilot measured and decided last
+(`details`).
 """
 
 from dataclasses import asdict
@@ -34,6 +35,7 @@ async def health(engine: EngineDep) -> JSONResponse:
         "dtype": info.dtype,
         "dtype_reason": info.dtype_reason,
         "engine": None if info.mode is None else asdict(info.mode),
+        "memory": engine.memory(),
         "autopilot": engine.autopilot_state(),
     }
     return JSONResponse({"status": "ok", "details": details})

@@ -202,6 +202,10 @@ class Engine(Protocol):
         """Requests the engine holds, waiting or running: 0 once every request has ended or
         been aborted (what a leak would leave above 0)."""
 
+    def memory(self) -> dict[str, Any] | None:
+        """What the server's processes hold now (private bytes each) against the weights as
+        served and the KV cache; None where it is not measured (GPUs, hub models)."""
+
     def autopilot_state(self) -> dict[str, Any] | None:
         """What the speculation autopilot measured and decided last (its cost
         model, acceptance by position, K and why); None without it."""

@@ -69,16 +69,16 @@ class _TrimmedHead:
         self.kept = torch.tensor(kept, dtype=torch.int64, device=weight.device)
         self.is_kept = np.zeros(weight.shape[0], dtype=bool)
         self.is_kept[kept] = True
-        packed = torch.nn.Module()
-        packed.weight = torch.nn.Parameter(weight[self.kept].contiguous(), requires_grad=False)
-        self.packed_weight = packed.weight
+        self.packed = torch.nn.Module()
+        self.packed.weight = torch.nn.Parameter(weight[self.kept].contiguous(), requires_grad=False)
         self.linear: Any = torch.nn.functional.linear
         if weight.device.type == "cpu":
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-            # vLLM's own CPU matmul for a weight (oneDNN, prepacked once).
-            dispatch_cpu_unquantized_gemm(packed, remove_weight=False)
-            self.linear = packed.cpu_linear
+            # vLLM's own CPU matmul for a weight (oneDNN, prepacked once); the gathered rows
+            # are dropped where the packed copy replaces them.
+            dispatch_cpu_unquantized_gemm(self.packed, remove_weight=True)
+            self.linear = self.packed.cpu_linear
         # request id -> (tokens looked at, its ids outside `kept`)
         self.extras: dict[str, tuple[int, set[int]]] = {}
         self.proposals_made = 0
@@ -126,7 +126,7 @@ class _TrimmedHead:
         import numpy as np
         import torch
 
-        logits = self.linear(hidden_states, self.packed_weight, None)
+        logits = self.linear(hidden_states, self.packed.weight, None)
         best, index = logits.max(dim=-1)
         chosen = self.kept[index]
         rows = [self._extras_of(req_id, tokens) for req_id, tokens in contexts]

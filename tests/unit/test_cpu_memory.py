@@ -1,0 +1,101 @@
+"""The cpu_embedding_memory patch on vLLM's own embedding method and CPU matmul dispatch (in a
+fresh process, as vLLM's worker loads it): input embeddings unpacked, the target's head packed
+without its plain weight, a trimmed draft's head unpacked, an untrimmed draft's as vLLM does;
+every head still multiplies as before."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from server.engine import vllm_patches
+
+PROBE = """
+import json
+
+import torch
+from vllm.compilation.backends import set_model_tag
+from vllm.model_executor.layers import vocab_parallel_embedding as embedding
+from vllm.plugins import load_general_plugins
+
+load_general_plugins()
+torch.manual_seed(0)
+
+
+def layer(kind):
+    module = object.__new__(kind)
+    torch.nn.Module.__init__(module)
+    module.weight = torch.nn.Parameter(torch.randn(4096, 256), requires_grad=False)
+    return module
+
+
+def loaded(kind, tag=None):
+    module = layer(kind)
+    weight = module.weight.detach().clone()
+    method = embedding.UnquantizedEmbeddingMethod()
+    if tag is None:
+        method.process_weights_after_loading(module)
+    else:
+        with set_model_tag(tag):
+            method.process_weights_after_loading(module)
+    x = torch.randn(3, 256)
+    same = torch.allclose(module.cpu_linear(x, module.weight, None), x @ weight.T, atol=1e-3)
+    return {
+        "plain_weight": module.weight.numel() > 0,
+        "unpacked": module.cpu_linear is torch.nn.functional.linear,
+        "multiplies_as_before": bool(same),
+    }
+
+
+print(json.dumps({
+    "embedding": loaded(embedding.VocabParallelEmbedding),
+    "target_head": loaded(embedding.ParallelLMHead),
+    "draft_head": loaded(embedding.ParallelLMHead, "draft_model"),
+}))
+"""
+
+
+def _probe(patches: list[str]) -> dict[str, dict[str, bool]]:
+    settings: dict[str, object] = {"patches": patches}
+    if "draft_vocab" in patches:
+        settings["draft_vocab"] = {"ranking": "unused", "size": 1024}
+    environment = {**os.environ, vllm_patches.SETTINGS_ENV: json.dumps(settings)}
+    environment.pop("VLLM_PLUGINS", None)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE], env=environment, capture_output=True, text=True, check=True
+    )
+    result: dict[str, dict[str, bool]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.parametrize("trimmed", [False, True])
+def test_each_vocabulary_sized_weight_is_held_once(trimmed: bool) -> None:
+    patches = ["cpu_embedding_memory", *(["draft_vocab"] * trimmed)]
+    found = _probe(patches)
+    assert found["embedding"] == {
+        "plain_weight": True,
+        "unpacked": True,
+        "multiplies_as_before": True,
+    }
+    assert found["target_head"] == {
+        "plain_weight": False,
+        "unpacked": False,
+        "multiplies_as_before": True,
+    }
+    # The trimmed head gathers rows of the draft's plain weight; without it vLLM's packed copy.
+    assert found["draft_head"] == {
+        "plain_weight": True,
+        "unpacked": trimmed,
+        "multiplies_as_before": True,
+    }
+
+
+def test_without_the_patch_vllm_keeps_both_copies_of_every_one() -> None:
+    packed_and_plain = {"plain_weight": True, "unpacked": False, "multiplies_as_before": True}
+    assert _probe([]) == {
+        "embedding": packed_and_plain,
+        "target_head": packed_and_plain,
+        "draft_head": packed_and_plain,
+    }
