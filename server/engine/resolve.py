@@ -24,18 +24,30 @@ from server.config import (
     ConfigError,
     Settings,
 )
-from server.engine.compat import check_draft_compatible, check_max_model_len, kv_cache_gib_for
+from server.engine.compat import (
+    DTYPE_BYTES,
+    check_draft_compatible,
+    check_max_model_len,
+    kv_cache_gib_for,
+    longest_context_fitting,
+    model_context_length,
+    model_kv_shape,
+)
 from server.engine.hardware import (
     choose_draft_quantization,
     choose_dtype,
     choose_target_quantization,
 )
+from server.engine.memory import ENGINE_RUNTIME_BYTES, GB, kv_cache_room_gib, weights_as_served
 from server.engine.runtime import gpu_count, has_gpu
 from server.engine.tool_calls import parser_class
 from server.engine.vllm_engine import EngineConfig
 from server.weights import draft_vocab, embedded, quantized_export
 
 logger = logging.getLogger(__name__)
+
+# The shortest context a KV cache made to fit the host may leave (a chat turn and its reply).
+MIN_CONTEXT_TOKENS = 2048
 
 
 def _is_local(model: str) -> bool:
@@ -50,6 +62,46 @@ def _check_kv_cache(settings: Settings, models: list[str]) -> None:
         return
     dtype = choose_dtype(settings.dtype, on_gpu=False).dtype
     kv_cache_gib_for(settings.kv_cache_gib, models, dtype, settings.max_model_len)
+
+
+def _fit_to_host(settings: Settings, models: list[str]) -> tuple[int | None, int | None]:
+    """The KV cache size and context length, made to fit what this host has free beside the
+    weights as served and the engine's runtime (vLLM's own measure of free memory: free and
+    reclaimable pages, within a cgroup's limit), with one line saying so; a host that
+    cannot hold the weights is refused in one line."""
+    from vllm.utils.cpu_resource_utils import get_memory_node_info
+
+    dtype = choose_dtype(settings.dtype, on_gpu=False).dtype
+    asked = kv_cache_gib_for(settings.kv_cache_gib, models, dtype, settings.max_model_len)
+    weights = sum(weights_as_served(Path(model), dtype) for model in models)
+    available = get_memory_node_info().available_memory
+    room = kv_cache_room_gib(available, weights)
+    if room >= asked:
+        return settings.kv_cache_gib, settings.max_model_len
+    what = (
+        f"this host has {available / GB:.1f} GB free; the weights as served take "
+        f"{weights / GB:.1f} GB and the server's processes about {ENGINE_RUNTIME_BYTES / GB:.1f} "
+        "GB more"
+    )
+    shapes = [shape for shape in map(model_kv_shape, models) if shape is not None]
+    context = settings.max_model_len or model_context_length(models[0]) or 0
+    longest = longest_context_fitting(room, shapes, DTYPE_BYTES[dtype])
+    if longest < min(context, MIN_CONTEXT_TOKENS) or (
+        settings.max_model_len is not None and longest < context
+    ):
+        raise ConfigError(
+            f"{what}, leaving {room} GiB for a KV cache of {asked} GiB: free memory, serve "
+            "smaller weights (--quantization int8 or int4), or --no-speculation"
+        )
+    max_model_len = settings.max_model_len if longest >= context else longest
+    logger.warning(
+        "KV cache %d GiB instead of %d (max model len %s): %s",
+        room,
+        asked,
+        max_model_len or "the model's own",
+        what,
+    )
+    return room, max_model_len
 
 
 def _check_ranks(settings: Settings, method: str | None) -> None:
@@ -141,9 +193,13 @@ def resolve(settings: Settings) -> EngineConfig:
         draft = str(Path(draft).expanduser())
         if _is_local(target):
             check_draft_compatible(target, draft)
+    kv_cache_gib, max_model_len = settings.kv_cache_gib, settings.max_model_len
     if _is_local(target):
         check_max_model_len(target, settings.max_model_len)
-        _check_kv_cache(settings, [target] if draft is None else [target, draft])
+        models = [target] if draft is None else [target, draft]
+        _check_kv_cache(settings, models)
+        if not has_gpu() and all(_is_local(model) for model in models):
+            kv_cache_gib, max_model_len = _fit_to_host(settings, models)
     speculation_mode, speculation_max_batch_size = _speculation_policy(settings)
     return EngineConfig(
         model=target,
@@ -161,10 +217,10 @@ def resolve(settings: Settings) -> EngineConfig:
         speculation_max_batch_size=speculation_max_batch_size,
         engine_patches=engine_patches(settings),
         speculation_trace=settings.speculation_trace,
-        max_model_len=settings.max_model_len,
+        max_model_len=max_model_len,
         dtype=settings.dtype,
         seed=settings.seed,
-        kv_cache_gib=settings.kv_cache_gib,
+        kv_cache_gib=kv_cache_gib,
         max_num_seqs=settings.max_num_seqs,
         block_size=block_size,
         prefix_caching=not settings.no_prefix_caching,

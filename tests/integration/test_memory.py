@@ -44,3 +44,15 @@ def test_the_report_adds_up_to_what_the_os_reports(tiny: TinyModels, tmp_path: P
     planned = sum(memory["weights_bytes"].values()) + memory["kv_cache_bytes"]
     assert memory["held_over_planned"] == round(memory["held_bytes"] / planned, 3)
     assert "memory: " in log and " GB planned (weights as served: target " in log
+
+
+def test_a_kv_cache_the_host_cannot_hold_is_made_to_fit(tiny: TinyModels, tmp_path: Path) -> None:
+    """Without the fit, vLLM's worker refuses a KV cache larger than the free memory and
+    the engine dies at startup; with it the server starts and says what it chose."""
+    beyond = psutil.virtual_memory().total // 2**30 + 8
+    with serving(tiny, tmp_path, "--kv-cache-gib", str(beyond)) as server:
+        memory = httpx.get(f"{server.base_url}/health").json()["details"]["memory"]
+        log = server.log.read_text()
+    fitted = memory["kv_cache_bytes"] // 2**30
+    assert 1 <= fitted < beyond
+    assert f"KV cache {fitted} GiB instead of {beyond} (max model len 2048): this host has " in log
