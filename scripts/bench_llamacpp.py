@@ -4,7 +4,8 @@ llama-server serves the embedded pair's GGUF files themselves (Q4_K_M, joined fr
 packages as `specserve models pull` joins them, cached under <cache>/gguf): once with the
 target only and once with the 0.5B draft (`-md`), each with `-np` set to the largest
 concurrency measured, as a user would for that many clients, and all cores as threads.
-Both stay up while each specserve configuration (--specserve; default: its defaults) runs in
+Both stay up while each specserve configuration (--specserve; default: its defaults without the
+hybrid's index of earlier replies, see DEFAULT_CONFIGURATION) runs in
 turn: for each workload and concurrency, `python -m loadtest compare` runs it against each
 llama-server in alternating rounds (ABBA), greedy, streamed.
 
@@ -36,6 +37,10 @@ from server.weights.embedded import DRAFT, TARGET, EmbeddedModel, fetch_gguf
 ROOT = Path(__file__).resolve().parent.parent
 SPECSERVE_PORT, DRAFTED_PORT, TARGET_ONLY_PORT = 8331, 8332, 8333
 LABELS = {DRAFTED_PORT: "llama-server-draft", TARGET_ONLY_PORT: "llama-server"}
+# specserve's defaults but for the hybrid's index of earlier replies: every cell sends the same
+# seeded prompts again, and specserve would then propose its own earlier replies to them, which
+# measures the replay, not a new request (lookups in the request's own prompt stay on).
+DEFAULT_CONFIGURATION = "specserve=--lookup-index-tokens 0"
 
 
 def _gguf(model: EmbeddedModel) -> Path:
@@ -110,7 +115,7 @@ def main() -> None:
         action="append",
         metavar="LABEL=FLAGS",
         help="a specserve configuration, run in turn against the same llama-servers, e.g. "
-        "'int8=--quantization int8' (default: 'specserve=', its defaults)",
+        f"'int8=--quantization int8' (default: '{DEFAULT_CONFIGURATION}')",
     )
     parser.add_argument("--tables-only", action="store_true")
     args = parser.parse_args()
@@ -144,7 +149,7 @@ def _run(args: argparse.Namespace) -> None:
     try:
         for name, command, port in llama_servers:
             started.append(_launch(name, command, port, args.out))
-        for configuration in args.specserve or ["specserve="]:
+        for configuration in args.specserve or [DEFAULT_CONFIGURATION]:
             label, _, flags = configuration.partition("=")
             command = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1"]
             command += ["--port", str(SPECSERVE_PORT), "--metrics-port", str(SPECSERVE_PORT)]
