@@ -12,6 +12,7 @@ planned, and what the speculation autopilot measured and decided last
 (`details`).
 """
 
+import asyncio
 from dataclasses import asdict
 
 from fastapi import APIRouter, Request
@@ -35,7 +36,9 @@ async def health(engine: EngineDep) -> JSONResponse:
         "dtype": info.dtype,
         "dtype_reason": info.dtype_reason,
         "engine": None if info.mode is None else asdict(info.mode),
-        "memory": engine.memory(),
+        # Reading each process's smaps takes tens of milliseconds for a large engine: off the
+        # event loop, which streams tokens meanwhile.
+        "memory": await asyncio.to_thread(engine.memory),
         "autopilot": engine.autopilot_state(),
     }
     return JSONResponse({"status": "ok", "details": details})

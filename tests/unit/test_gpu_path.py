@@ -100,7 +100,12 @@ def _gpu_config(**changes: Any) -> EngineConfig:
     return replace(config, **changes)
 
 
-def test_the_gpu_default_asks_vllm_for_its_own_speculation(gpu_host: None) -> None:
+def test_the_gpu_default_asks_vllm_for_its_own_speculation(
+    gpu_host: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A fresh GPU host: nothing has chosen vLLM's runner (engines started earlier in this
+    # process on the CPU leave their choice in the environment).
+    monkeypatch.delenv(vllm_patches.RUNNER_VARIABLE, raising=False)
     engine = VllmEngine(_gpu_config())
     patches = engine._usable_patches()
     assert patches == []
