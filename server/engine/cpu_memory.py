@@ -33,7 +33,7 @@ TARGET_TAG = "backbone"
 
 
 def install() -> None:
-    """`vllm.general_plugins` hook: no packed copy for input embeddings, where enabled."""
+    """`vllm.general_plugins` hook: each vocabulary-sized weight held once, where enabled."""
     if not vllm_patches.enabled("cpu_embedding_memory"):
         return
     from vllm.model_executor.layers import vocab_parallel_embedding as embedding
@@ -44,18 +44,24 @@ def install() -> None:
     original = method.process_weights_after_loading
 
     def process_weights_after_loading(self: Any, layer: Any) -> None:
-        import torch
         from vllm.compilation import backends
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-        if not isinstance(layer, embedding.ParallelLMHead) or (
-            backends.model_tag != TARGET_TAG and vllm_patches.enabled("draft_vocab")
-        ):
-            layer.cpu_linear = torch.nn.functional.linear
+        if not isinstance(layer, embedding.ParallelLMHead):  # an input embedding
+            _unpacked(layer)
         elif backends.model_tag == TARGET_TAG:
             dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+        elif vllm_patches.enabled("draft_vocab"):  # the draft's head, read by the trimmed head
+            _unpacked(layer)
         else:
             original(self, layer)
 
     vllm_patches.mark(process_weights_after_loading, original)
     method.process_weights_after_loading = process_weights_after_loading  # type: ignore[method-assign]
+
+
+def _unpacked(layer: Any) -> None:
+    """The layer multiplies by its plain weight (vLLM's CPU matmul calls `cpu_linear`)."""
+    import torch
+
+    layer.cpu_linear = torch.nn.functional.linear

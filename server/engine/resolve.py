@@ -68,7 +68,8 @@ def _fit_to_host(settings: Settings, models: list[str]) -> tuple[int | None, int
     """The KV cache size and context length, made to fit what this host has free beside the
     weights as served and the engine's runtime (vLLM's own measure of free memory: free and
     reclaimable pages, within a cgroup's limit), with one line saying so; a host that
-    cannot hold the weights is refused in one line."""
+    cannot hold the weights is refused in one line, and so is a --kv-cache-gib too small for
+    one sequence (kv_cache_gib_for)."""
     from vllm.utils.cpu_resource_utils import get_memory_node_info
 
     dtype = choose_dtype(settings.dtype, on_gpu=False).dtype
@@ -197,9 +198,10 @@ def resolve(settings: Settings) -> EngineConfig:
     if _is_local(target):
         check_max_model_len(target, settings.max_model_len)
         models = [target] if draft is None else [target, draft]
-        _check_kv_cache(settings, models)
         if not has_gpu() and all(_is_local(model) for model in models):
             kv_cache_gib, max_model_len = _fit_to_host(settings, models)
+        else:
+            _check_kv_cache(settings, models)
     speculation_mode, speculation_max_batch_size = _speculation_policy(settings)
     return EngineConfig(
         model=target,
@@ -312,14 +314,14 @@ def prepare_draft(
         raise ConfigError("--draft-quantization fp8 needs a GPU; on a CPU use int8")
     if choice.quantization == "int8" and not local:
         raise ConfigError("--draft-quantization int8 needs --draft-model to be a local folder")
-    model = draft
-    if choice.quantization == "int8":
-        model = str(quantized_export.export(source, settings.cache_dir, "int8", report))
     if settings.draft_vocab not in ("auto", "none") and not engine_patches(settings):
         raise ConfigError(
             "--draft-vocab trims the draft's head with a specserve engine patch, off on GPUs: "
             "add --gpu-engine-patches (untested on GPUs), or leave --draft-vocab auto"
         )
+    model = draft
+    if choice.quantization == "int8":
+        model = str(quantized_export.export(source, settings.cache_dir, "int8", report))
     size = _draft_vocab_size(settings.draft_vocab, source if local else None, on_gpu)
     ranking = None if size is None else draft_vocab.ranking(source, settings.cache_dir, report)
     return DraftPlan(
