@@ -42,7 +42,8 @@ def loaded(kind, tag=None):
             method.process_weights_after_loading(module)
     x = torch.randn(3, 256)
     expected = x @ weight.T
-    error = (module.cpu_linear(x, module.weight, None) - expected).abs().max() / expected.abs().max()
+    product = module.cpu_linear(x, module.weight, None)
+    error = (product - expected).abs().max() / expected.abs().max()
     return {
         "plain_weight": module.weight.numel() > 0,
         "unpacked": module.cpu_linear is torch.nn.functional.linear,
