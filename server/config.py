@@ -91,7 +91,8 @@ class Settings(BaseSettings):
         "auto",
         description="How the target's weights are stored. `int8`: an int8 copy of its linear "
         "layers "
-        "(compressed-tensors W8A8, on vLLM's int8 kernels); `int4`: an int4 copy, one scale "
+        "(compressed-tensors W8A8, on vLLM's int8 kernels), and on a CPU its output head "
+        "quantized to int8 as it loads; `int4`: an int4 copy, one scale "
         "per 64 inputs (compressed-tensors W4A16, on vLLM's `CPUWNA16` kernel, which needs "
         "bf16 on a CPU); each made once into the cache folder (by `specserve models pull` "
         "or the first start) and needing a local target folder (the embedded one is). Their "

@@ -71,21 +71,21 @@ RATE_LIMIT_STORE_FAILURES = Counter(
 )
 TTFT = Histogram(
     "specserve_time_to_first_token_seconds", "Request arrival to first generated token",
-    ["model", "endpoint"], buckets=_LATENCY_BUCKETS,
+    ["model", "endpoint", "tenant"], buckets=_LATENCY_BUCKETS,
 )  # fmt: skip
 ITL = Histogram(
     "specserve_inter_token_latency_seconds",
     "Gap between consecutive outputs of one streamed sequence (each chunk)",
-    ["model", "endpoint"], buckets=_LATENCY_BUCKETS,
+    ["model", "endpoint", "tenant"], buckets=_LATENCY_BUCKETS,
 )  # fmt: skip
 TPOT = Histogram(
     "specserve_time_per_output_token_seconds",
     "(last token - first token) / (output tokens - 1), per sequence",
-    ["model", "endpoint"], buckets=_LATENCY_BUCKETS,
+    ["model", "endpoint", "tenant"], buckets=_LATENCY_BUCKETS,
 )  # fmt: skip
 E2E = Histogram(
     "specserve_e2e_request_latency_seconds", "Request arrival to last token",
-    ["model", "endpoint"], buckets=_LATENCY_BUCKETS,
+    ["model", "endpoint", "tenant"], buckets=_LATENCY_BUCKETS,
 )  # fmt: skip
 PROMPT_TOKENS = Counter(
     "specserve_prompt_tokens_total", "Prompt tokens processed", ["model", "endpoint", "tenant"]

@@ -67,7 +67,7 @@ def describe_server(
         for status in error_statuses:
             REQUESTS.labels(endpoint, str(status))
         for histogram in (TTFT, ITL, TPOT, E2E):
-            histogram.labels(model, endpoint)
+            histogram.labels(model, endpoint, ANONYMOUS_TENANT)
         for prompt_cache in ("hit", "miss"):
             TTFT_BY_PROMPT_CACHE.labels(model, endpoint, prompt_cache)
         for counter in (PROMPT_TOKENS, PROMPT_CACHED_TOKENS, GENERATION_TOKENS):
@@ -152,7 +152,7 @@ class RequestObserver:
         self.start = arrival  # time.perf_counter() when the request arrived
         # Resolved once: `labels()` is a locked dict lookup, and ITL is
         # observed on every engine output.
-        self._itl = ITL.labels(model, endpoint)
+        self._itl = ITL.labels(model, endpoint, tenant)
         self._sequences: dict[tuple[int, int], _SequenceTiming] = {}
         self._prompt_tokens: dict[int, int] = {}
         self._cached_tokens: dict[int, int] = {}
@@ -189,7 +189,7 @@ class RequestObserver:
             timing = self._sequences.get(key)
             if timing is None:
                 if not self._sequences:
-                    TTFT.labels(self.model, self.endpoint).observe(first - self.start)
+                    TTFT.labels(self.model, self.endpoint, self.tenant).observe(first - self.start)
                     prompt_cache = "hit" if output.cached_tokens else "miss"
                     TTFT_BY_PROMPT_CACHE.labels(self.model, self.endpoint, prompt_cache).observe(
                         first - self.start
@@ -211,8 +211,8 @@ class RequestObserver:
             record_speculation(self.model, self.tenant, stats)
         if not completed:
             return
-        E2E.labels(self.model, self.endpoint).observe(time.perf_counter() - self.start)
-        tpot = TPOT.labels(self.model, self.endpoint)
+        E2E.labels(*labels).observe(time.perf_counter() - self.start)
+        tpot = TPOT.labels(*labels)
         for timing in self._sequences.values():
             if timing.tokens > 1:
                 tpot.observe((timing.last - timing.first) / (timing.tokens - 1))

@@ -60,11 +60,25 @@ async def test_a_valid_key_is_served_as_its_tenant(
 ) -> None:
     client, _ = keyed
     labels = {"model": "scripted", "endpoint": "/v1/completions", "tenant": "team-b"}
-    before = REGISTRY.get_sample_value("specserve_generation_tokens_total", labels) or 0.0
+    counted = (
+        "specserve_generation_tokens_total",
+        "specserve_time_to_first_token_seconds_count",
+        "specserve_e2e_request_latency_seconds_count",
+    )
+    before = {name: REGISTRY.get_sample_value(name, labels) or 0.0 for name in counted}
     response = await client.post("/v1/completions", json=BODY, headers=bearer("sk-beta-9876543210"))
     assert response.status_code == 200
-    after = REGISTRY.get_sample_value("specserve_generation_tokens_total", labels)
-    assert after == before + 2
+    after = {name: REGISTRY.get_sample_value(name, labels) for name in counted}
+    assert after == {
+        "specserve_generation_tokens_total": before["specserve_generation_tokens_total"] + 2,
+        # Latency per tenant too: one request, one TTFT and one end-to-end time.
+        "specserve_time_to_first_token_seconds_count": (
+            before["specserve_time_to_first_token_seconds_count"] + 1
+        ),
+        "specserve_e2e_request_latency_seconds_count": (
+            before["specserve_e2e_request_latency_seconds_count"] + 1
+        ),
+    }
 
 
 async def test_health_stays_open_and_metrics_follow_the_flag(

@@ -121,3 +121,16 @@ def test_the_engines_settings_for_vllm_are_not_read_as_specserve_settings(
     monkeypatch.setenv(vllm_patches.SETTINGS_ENV, json.dumps(settings))
     assert Settings().speculation_trace is None
     assert Settings().speculation == "auto"
+
+
+
+def test_every_setting_is_a_flag_of_serve() -> None:
+    from server.cli import SERVE_FLAGS, _parser
+
+    flags = {flag.removeprefix("--").replace("-", "_") for flag, _ in SERVE_FLAGS}
+    assert set(Settings.model_fields) <= flags, sorted(set(Settings.model_fields) - flags)
+    argv = ["serve", "--max-connections", "7", "--body-read-timeout-seconds", "2.5"]
+    args = vars(_parser().parse_args(argv))
+    args.pop("command")
+    settings = Settings(**args)
+    assert (settings.max_connections, settings.body_read_timeout_seconds) == (7, 2.5)

@@ -21,14 +21,14 @@ def sample(name: str, **labels: str) -> float:
 
 SPEC = {"model": "scripted", "tenant": "anonymous"}
 BODY = {"model": "scripted", "prompt": "a b", "max_tokens": 2}
-LATENCY = {"model": "scripted", "endpoint": "/v1/completions"}
+LATENCY = {"model": "scripted", "endpoint": "/v1/completions", "tenant": "anonymous"}
 
 
 async def test_a_request_updates_counts_latency_and_speculation(client: httpx.AsyncClient) -> None:
     names = {
         "ok": ("specserve_requests_total", {"endpoint": "/v1/completions", "status": "200"}),
-        "tokens": ("specserve_generation_tokens_total", {**LATENCY, "tenant": "anonymous"}),
-        "prompt": ("specserve_prompt_tokens_total", {**LATENCY, "tenant": "anonymous"}),
+        "tokens": ("specserve_generation_tokens_total", LATENCY),
+        "prompt": ("specserve_prompt_tokens_total", LATENCY),
         "ttft": ("specserve_time_to_first_token_seconds_count", LATENCY),
         "itl": ("specserve_inter_token_latency_seconds_count", LATENCY),
         "tpot": ("specserve_time_per_output_token_seconds_count", LATENCY),
@@ -171,7 +171,11 @@ class _FreshModelEngine(ScriptedEngine):
 
 async def test_startup_creates_the_latency_and_count_series_at_zero() -> None:
     app = create_app(_FreshModelEngine())
-    latency = {"model": "fresh-at-startup", "endpoint": "/v1/chat/completions"}
+    latency = {
+        "model": "fresh-at-startup",
+        "endpoint": "/v1/chat/completions",
+        "tenant": "anonymous",
+    }
     assert REGISTRY.get_sample_value("specserve_time_to_first_token_seconds_count", latency) is None
     async with app.router.lifespan_context(app):
         for name in (
@@ -181,7 +185,7 @@ async def test_startup_creates_the_latency_and_count_series_at_zero() -> None:
             "specserve_e2e_request_latency_seconds_count",
         ):
             assert REGISTRY.get_sample_value(name, latency) == 0, name
-        tokens = {**latency, "tenant": "anonymous"}
+        tokens = latency
         assert REGISTRY.get_sample_value("specserve_generation_tokens_total", tokens) == 0
         assert REGISTRY.get_sample_value("specserve_prompt_tokens_total", tokens) == 0
         for status in ("200", "400", "429", "499", "503", "504"):
@@ -225,8 +229,8 @@ async def test_the_engine_requests_gauge_reads_the_engine_at_each_scrape() -> No
 def test_a_whole_reply_is_timed_by_its_engine_token_times_not_by_its_arrival() -> None:
     """A reply not streamed arrives in one output at the end: its TTFT and TPOT are the
     engine's first and last token times, which its arrival cannot tell."""
-    labels = {"model": "whole-reply", "endpoint": "/v1/chat/completions"}
-    observer = RequestObserver("whole-reply", labels["endpoint"], 100.0, "anonymous")
+    labels = {"model": "whole-reply", "endpoint": "/v1/chat/completions", "tenant": "team"}
+    observer = RequestObserver("whole-reply", labels["endpoint"], 100.0, "team")
     choice = ChoiceDelta(0, "a b c d e", [1, 2, 3, 4, 5], finish_reason="stop")
     observer.on_output(0, EngineOutput(3, [choice], TokenTimes(first=101.0, last=103.0)))
     observer.finish(completed=True)
