@@ -123,7 +123,6 @@ def test_the_engines_settings_for_vllm_are_not_read_as_specserve_settings(
     assert Settings().speculation == "auto"
 
 
-
 def test_every_setting_is_a_flag_of_serve() -> None:
     from server.cli import SERVE_FLAGS, _parser
 
