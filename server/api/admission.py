@@ -19,6 +19,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.auth import tenant
+from server.api.body_limit import replaying
 from server.api.context import context_of, request_context
 from server.api.replies import CLIENT_CLOSED_REQUEST, error_response
 from server.errors import APIError, ShuttingDownError
@@ -113,16 +114,7 @@ class AdmissionMiddleware:
         if waiting.cancelled():
             return None
         waiting.result()  # a refusal (line full, queue timeout) raises here
-        return _replaying(heard, receive)
-
-
-def _replaying(heard: list[Message], receive: Receive) -> Receive:
-    """Receive the messages read while waiting, in order, then the client's."""
-
-    async def replay() -> Message:
-        return heard.pop(0) if heard else await receive()
-
-    return replay
+        return replaying(heard, receive)
 
 
 def record_usage(request: Request, observer: RequestObserver) -> None:

@@ -40,7 +40,7 @@ class BodyLimitsMiddleware:
         except APIError as exc:
             await error_response(exc)(scope, receive, send)
             return
-        await self.app(scope, _replay(first, receive), send)
+        await self.app(scope, replaying([first], receive), send)
 
     async def _read(self, scope: Scope, receive: Receive) -> Message:
         """The whole body as one message (or the disconnect that cut it short)."""
@@ -92,11 +92,11 @@ def _has_body(scope: Scope) -> bool:
     return headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers
 
 
-def _replay(first: Message, receive: Receive) -> Receive:
-    """Receive `first` once, then whatever the client sends next (disconnects)."""
-    pending = [first]
+def replaying(heard: list[Message], receive: Receive) -> Receive:
+    """Receive the messages already read, in order, then whatever the client sends next
+    (more body, disconnects)."""
 
     async def replay() -> Message:
-        return pending.pop() if pending else await receive()
+        return heard.pop(0) if heard else await receive()
 
     return replay

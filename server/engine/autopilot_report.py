@@ -3,7 +3,7 @@
 The scheduler (EngineCore process) and the draft proposer (worker process)
 run outside the front end, which owns /metrics. Each sends its cumulative
 totals as one JSON datagram over a Unix socket whose path the engine puts in
-its settings for vLLM's processes (`vllm_patches.settings()["report_socket"]`).
+its settings for vLLM's processes (`vllm_patches.report_socket()`).
 Sending never blocks an engine step: when the front end is behind, the report
 stays pending and the next one carries the newer totals (they are cumulative,
 so nothing is lost).
@@ -14,15 +14,13 @@ import json
 import socket
 from collections.abc import Mapping
 
-from server.engine import vllm_patches
-
 
 class Reporter:
-    """Sends `{"source": name, **totals}` when the totals changed."""
+    """Sends `{"source": name, **totals}` to the socket at `path` (none: nowhere)."""
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, path: str | None) -> None:
         self._source = source
-        self._path = vllm_patches.settings().get("report_socket") or ""
+        self._path = path or ""
         self._socket: socket.socket | None = None
         if self._path:
             self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

@@ -113,7 +113,7 @@ class AutopilotScheduler(Scheduler):
         self._measured_speedup: float | None = None
         self._verified_k = 0  # the K the step being run verifies (its predecessor's)
         self._verified_probe = False  # and whether that K was a probe's (or calibration's)
-        self._reporter = Reporter("scheduler")
+        self._reporter = Reporter("scheduler", vllm_patches.report_socket())
         # Without the draft_idle patch the draft runs every step: nothing to catch up on.
         self._draft_idles = vllm_patches.enabled("draft_idle")
         trace = settings.get("trace")  # one JSON line per step appended there

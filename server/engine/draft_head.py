@@ -83,7 +83,7 @@ class _TrimmedHead:
         self.extras: dict[str, tuple[int, set[int]]] = {}
         self.proposals_made = 0
         self.own_proposals = 0  # proposals of a request's own ids outside `kept`
-        self._reporter = Reporter("draft_head")
+        self._reporter = Reporter("draft_head", vllm_patches.report_socket())
         self._report()
 
     def _report(self) -> None:
@@ -114,7 +114,9 @@ class _TrimmedHead:
             why = "its head is quantized"
         if why is not None:
             logger.warning("draft head kept whole: %s", why)
-            Reporter("draft_head").send({"draft_head": f"whole: {why}"})
+            Reporter("draft_head", vllm_patches.report_socket()).send(
+                {"draft_head": f"whole: {why}"}
+            )
             return False
         vocab = model.logits_processor.org_vocab_size
         kept = [t for t in draft_vocab.load(Path(ranking), size) if t < vocab]

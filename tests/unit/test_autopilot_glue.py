@@ -34,8 +34,7 @@ async def test_reports_reach_the_metrics_as_counter_growth(
 ) -> None:
     feed = AutopilotFeed("feed-model")
     feed.start()
-    monkeypatch.setenv(vllm_patches.SETTINGS_ENV, json.dumps({"report_socket": feed.path}))
-    scheduler, draft = Reporter("scheduler"), Reporter("draft")
+    scheduler, draft = Reporter("scheduler", feed.path), Reporter("draft", feed.path)
     try:
         report = {
             "k": 2, "reason": None, "predicted_speedup": 1.4, "measured_speedup": 1.3,
@@ -81,7 +80,7 @@ async def test_reports_reach_the_metrics_as_counter_growth(
 def test_a_report_without_a_listener_is_kept_for_later(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = {"report_socket": "/nonexistent/specserve.sock"}
     monkeypatch.setenv(vllm_patches.SETTINGS_ENV, json.dumps(settings))
-    reporter = Reporter("draft")
+    reporter = Reporter("draft", vllm_patches.report_socket())
     reporter.send({"draft_forward_passes": 1})
     assert reporter._unsent is not None
 
