@@ -74,8 +74,8 @@ def release_free_heap(_worker: object = None) -> None:
     Loading weights, tokenizers and the calibration's requests free hundreds of MB that
     glibc keeps for later mallocs in the middle of its arenas, where only `malloc_trim`
     returns them (docs/operations.md, "Memory on a CPU host"). Called once, at the end of
-    startup, in each process (the engine's through vLLM's `collective_rpc`, which passes
-    its worker as `_worker`). No-op without glibc.
+    startup, in the front end and, with one rank, in the engine's process (through vLLM's
+    `collective_rpc`, which passes its worker as `_worker`). No-op without glibc.
     """
     name = ctypes.util.find_library("c")
     if name is None:

@@ -215,7 +215,10 @@ class VllmEngine:
             mode=mode,
         )
         if on_cpu:
-            await self._llm.collective_rpc(cloudpickle.dumps(release_free_heap))
+            if ranks == 1:
+                # Run in the EngineCore, where the rank is (vLLM's uni executor unpickles a
+                # function passed as bytes; its mp executor would pickle the bytes again).
+                await self._llm.collective_rpc(cloudpickle.dumps(release_free_heap))
             release_free_heap()
             self._planned = self._planned_memory(choice.dtype)
             report = self._memory_report()
