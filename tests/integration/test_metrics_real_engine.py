@@ -110,7 +110,7 @@ async def test_a_whole_reply_is_timed_by_the_engine_a_streamed_one_by_its_chunks
 ) -> None:
     """A reply not streamed is asked of vLLM whole (one output at the end): its TTFT and
     TPOT come from the engine's token times, and it adds no inter-token gaps."""
-    labels = {"model": spec_server.model, "endpoint": "/v1/completions"}
+    labels = {"model": spec_server.model, "endpoint": "/v1/completions", "tenant": "anonymous"}
     names = {
         "ttft": "specserve_time_to_first_token_seconds_sum",
         "tpot": "specserve_time_per_output_token_seconds_sum",
