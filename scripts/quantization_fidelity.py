@@ -2,7 +2,9 @@
 on the embedded target, in the dtype the server picks on this machine.
 
 Each quantization (--quantizations, and none) runs vLLM's own `LLM` on its folder in a process
-of its own, one after the other (a quantized copy is made first if it is not cached):
+of its own, one after the other (a quantized copy is made first if it is not cached), loaded as
+the server loads it on a CPU (int8: its output head in int8 too, and vLLM's int8 kernel as the
+server picks it for the CPU):
 - greedy continuations (--max-tokens) of the bundled coding-chat and prose prompts, through
   the chat template;
 - the log-probability of every token of texts the project ships (docs/speculation.md as prose,
@@ -28,6 +30,7 @@ from typing import Any
 
 from loadtest.workloads import BUNDLED
 from server.config import Settings
+from server.engine import vllm_patches
 from server.engine.hardware import choose_dtype
 from server.engine.resolve import prepare_target
 from server.engine.runtime import configure_cpu_runtime
@@ -158,6 +161,10 @@ def main() -> None:
         settings = Settings(quantization=args.worker)
         target = embedded.pull(settings.cache_dir, embedded.TARGET)
         plan = prepare_target(settings, str(target))
+        # As the server loads the target on a CPU: vocabulary-sized weights held once and,
+        # for int8, the output head in int8 (server/engine/cpu_memory.py).
+        served = {"patches": ["cpu_embedding_memory"], "int8_head": plan.int8_head}
+        os.environ[vllm_patches.SETTINGS_ENV] = json.dumps(served)
         result = _measure(plan.model, args.max_tokens, args.text_tokens)
         (args.out / f"{args.worker}.json").write_text(json.dumps(result))
         return
