@@ -19,7 +19,7 @@ The int8 kernel choice (`CPUInt8ScaledMMLinearKernel` asks `check_cpu_sgl_kernel
 - in bf16 on a CPU with AVX-512 VNNI and bf16 but no AMX (AMD Zen 4 and 5), vLLM offers the
   sgl kernel only with AMX, though what it runs for a decode step's few rows is AVX-512 VNNI
   code: int8 layers take it there, under the same shape condition vLLM applies with AMX
-  (docs/benchmarks.md, "The int8 kernel on AVX-512 VNNI without AMX").
+  (docs/benchmarks.md, "A step's cost on a CPU").
 
 `register_expand_fix()` and `register_int8_kernel_choice()` are `vllm.general_plugins` entry
 points, which vLLM calls in the front-end, EngineCore and worker processes before the CPU

@@ -24,8 +24,8 @@ Where the target's layers are int8 (the channel's `int8_head`, set with `--quant
 int8` on a CPU), its head is quantized too, as it loads: int8 weights with a scale per
 vocabulary row, activations quantized per token, through the same oneDNN kernel vLLM runs
 the int8 layers with. vLLM's compressed-tensors loader leaves heads unquantized, and the
-head is the largest single weight a decode step reads (docs/benchmarks.md, "A cheaper
-output head").
+head is the largest single weight a decode step reads (docs/benchmarks.md, "A step's cost
+on a CPU").
 """
 
 import logging

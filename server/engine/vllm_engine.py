@@ -225,14 +225,18 @@ class VllmEngine:
             if report is not None:
                 logger.info("%s", report.line())
 
+    @property
+    def _int8_head(self) -> bool:
+        """Whether the target's head is served in int8 (the patch that quantizes it is on)."""
+        return self._config.int8_head and "cpu_embedding_memory" in self._patches
+
     def _planned_memory(self, dtype: str) -> tuple[dict[str, int], int] | None:
         """Each local model's weights as served in `dtype`, and the KV cache size, in bytes."""
         folders = [Path(model) for model in kv_models(self._config)]
         if not all(folder.is_dir() for folder in folders):
             return None
-        int8_head = self._config.int8_head and "cpu_embedding_memory" in self._patches
         weights = {
-            role: weights_as_served(folder, dtype, int8_head=int8_head and role == "target")
+            role: weights_as_served(folder, dtype, int8_head=self._int8_head and role == "target")
             for role, folder in zip(("target", "draft"), folders, strict=False)
         }
         return weights, int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30
@@ -383,7 +387,7 @@ class VllmEngine:
                 "ranking": str(config.draft_vocab_ranking),
                 "size": config.draft_vocab_size,
             }
-        if config.int8_head and "cpu_embedding_memory" in patches:
+        if self._int8_head:
             settings["int8_head"] = True
         os.environ[vllm_patches.SETTINGS_ENV] = json.dumps(settings)
         if "logit_bias" in patches:

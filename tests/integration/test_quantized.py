@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from server.config import ConfigError, Settings
 from server.engine.base import SamplingOptions
+from server.engine.memory import weights_as_served
 from server.engine.resolve import resolve
 from server.weights import quantized_export
 from tests.integration.conftest import RunningServer, TinyModels, serve, tiny_engine_config
@@ -186,3 +187,29 @@ async def test_a_quantized_target_speculates_losslessly_against_itself(
     assert outputs[True] == outputs[False]
     captured = capfd.readouterr()
     assert f"{kernel}LinearKernel" in captured.out + captured.err
+
+
+async def test_the_engine_serves_the_int8_targets_head_in_int8(
+    tiny: TinyModels, int8_target: Path
+) -> None:
+    """`int8_head` reaches the engine's processes: the same int8 target without speculation
+    answers differently with its head in int8 (the tiny model's logits are close together, so
+    rounding the head moves its argmax) and reports the head's bytes as int8 with its scales."""
+    greedy = SamplingOptions(max_tokens=32, temperature=0.0)
+    outputs: dict[bool, list[list[int]]] = {}
+    targets: dict[bool, int] = {}
+    for int8_head in (True, False):
+        config = tiny_engine_config(
+            tiny, None, model=str(int8_target), served_model_name="tiny-head", int8_head=int8_head
+        )
+        async for server in serve(config):
+            outputs[int8_head] = [
+                (await _run(server.engine, f"head-{int8_head}-{i}", prompt, greedy))[0][0]
+                for i, prompt in enumerate(PROMPTS)
+            ]
+            memory = server.engine.memory()
+            assert memory is not None
+            targets[int8_head] = memory["weights_bytes"]["target"]
+    assert outputs[True] != outputs[False]
+    assert targets[True] == weights_as_served(int8_target, "float32", int8_head=True)
+    assert targets[True] < targets[False]
