@@ -110,7 +110,8 @@ RUN if [ "$BAKE_MODELS" = "true" ]; then \
 # environment, the unprivileged user, ports, health check and entrypoint.
 FROM runtime AS serving
 COPY --from=models --chown=1000:1000 /models /models
-# HF_HOME: hub downloads (models given as org/name) land in the cache volume too.
+# HF_HOME: hub downloads (models given as org/name) land in the cache volume too;
+# VLLM_CACHE_ROOT: so do vLLM's compiled models, which a restart then reuses.
 # SPECSERVE_HOST: a container listens on every interface, so the server refuses
 # to start without SPECSERVE_API_KEY_FILE unless SPECSERVE_ALLOW_UNAUTHENTICATED=true
 # says open access is meant.
@@ -118,7 +119,8 @@ ENV PATH=/opt/specserve/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     SPECSERVE_HOST=0.0.0.0 \
     SPECSERVE_CACHE_DIR=/models \
-    HF_HOME=/models/huggingface
+    HF_HOME=/models/huggingface \
+    VLLM_CACHE_ROOT=/models/vllm
 USER 1000:1000
 WORKDIR /home/specserve
 VOLUME ["/models"]

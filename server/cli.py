@@ -52,6 +52,7 @@ SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--kv-cache-gib", {"type": int}),
     ("--max-num-seqs", {"type": int}),
     ("--block-size", {"type": int}),
+    ("--enforce-eager", {"action": "store_true"}),
     ("--no-prefix-caching", {"action": "store_true"}),
     ("--shared-prefix-cache", {"action": "store_true"}),
     ("--tensor-parallel-size", {"type": int}),

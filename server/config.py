@@ -225,6 +225,13 @@ class Settings(BaseSettings):
         f"blocks: a prompt shares nothing shorter than one. Unset: {DEFAULT_CPU_BLOCK_SIZE} on a "
         "CPU (vLLM's own 128 lets no prompt under 128 tokens hit), vLLM's default on a GPU.",
     )
+    enforce_eager: bool = Field(
+        False,
+        description="Run the models without torch.compile (on a GPU also without CUDA graphs), "
+        "as vLLM's `--enforce-eager`. Compiled, the first start on a CPU takes about a minute "
+        "longer (vLLM caches the compiled models for later starts) and each step is cheaper "
+        '(docs/benchmarks.md, "Compiled or eager").',
+    )
     no_prefix_caching: bool = Field(
         False,
         description="Compute every prompt in full: no prompt's KV cache is reused by a later "

@@ -151,6 +151,7 @@ class EngineMode:
     speculation: str  # "vllm": vLLM's own; "specserve": with specserve's patches in its engine
     runner: str  # vLLM's model runner: "v1" or "v2"
     async_scheduling: bool  # vLLM's scheduling mode, as its config resolved it
+    compiled: bool  # the models run through torch.compile (not --enforce-eager)
     patches: tuple[str, ...]  # specserve's patches in force inside vLLM's engine
     reason: str
 

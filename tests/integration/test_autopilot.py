@@ -155,6 +155,7 @@ async def test_auto_mode_calibrates_decides_and_reports(auto_server: RunningServ
         "v1",
         False,
     )
+    assert engine["compiled"] is True  # torch.compile unless --enforce-eager
     assert {"autopilot", "draft_idle", "seeded_sampling"} <= set(engine["patches"]), engine
     assert state["draft_seconds_per_token"] >= 0 and state["verify_seconds_per_token"] >= 0
     assert state["plain_step_seconds"] > 0

@@ -88,7 +88,7 @@ class ScriptedEngine:
             speculation=SpeculationInfo("draft_model", 3, 1),
             dtype="float32",
             dtype_reason="set by --dtype",
-            mode=EngineMode("vllm", "v1", False, (), "scripted"),
+            mode=EngineMode("vllm", "v1", False, False, (), "scripted"),
         )
 
     def memory(self) -> dict[str, Any] | None:

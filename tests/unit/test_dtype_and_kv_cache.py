@@ -200,6 +200,7 @@ async def test_health_shows_the_dtype_and_why(client: httpx.AsyncClient) -> None
                 "speculation": "vllm",
                 "runner": "v1",
                 "async_scheduling": False,
+                "compiled": False,
                 "patches": [],
                 "reason": "scripted",
             },

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from vllm.config import CompilationMode
 
 from server.config import ConfigError, Settings
 from server.engine import resolve, vllm_engine, vllm_patches, vllm_source
@@ -40,6 +41,7 @@ class V033Config:
 
     def __init__(self, async_scheduling: bool) -> None:
         self.scheduler_config = SimpleNamespace(async_scheduling=async_scheduling)
+        self.compilation_config = SimpleNamespace(mode=CompilationMode.VLLM_COMPILE)
 
     @property
     def use_v2_model_runner(self) -> bool:
@@ -109,8 +111,9 @@ def test_the_gpu_default_asks_vllm_for_its_own_speculation(
     engine = VllmEngine(_gpu_config())
     patches = engine._usable_patches()
     assert patches == []
-    args = engine._engine_args(patches, "auto", on_cpu=False)
+    args = engine._engine_args(patches, "auto")
     assert args.scheduler_cls is None
+    assert args.enforce_eager is False  # vLLM's compiled models and CUDA graphs
     assert args.async_scheduling is None  # vLLM's own choice, read back and reported
     # vLLM's draft_model with a fixed K: no batch-size table (it costs full CUDA graphs).
     assert args.speculative_config == {
@@ -126,6 +129,19 @@ def test_the_gpu_default_asks_vllm_for_its_own_speculation(
         (),
     )
     assert "--gpu-engine-patches turns them on" in mode.reason
+    assert mode.compiled
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_models_are_compiled_unless_enforce_eager_is_set(
+    on_gpu: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(resolve, "has_gpu", lambda: on_gpu)
+    monkeypatch.setattr(resolve, "gpu_count", lambda: int(on_gpu))
+    for asked in (False, True):
+        settings = Settings(**HUB_PAIR, quantization="none", enforce_eager=asked)
+        engine = VllmEngine(resolve.resolve(settings))
+        assert engine._engine_args([], "auto").enforce_eager is asked
 
 
 def test_the_gpu_default_loads_no_specserve_patch_in_vllms_processes() -> None:
@@ -188,7 +204,7 @@ def test_the_opt_in_sets_synchronous_scheduling_and_pins_the_v1_runner(
     engine = VllmEngine(_gpu_config(engine_patches=True, speculation_mode="auto"))
     patches = engine._usable_patches()
     assert {"autopilot", "lookup", "draft_idle", "logit_bias", "seeded_sampling"} <= set(patches)
-    args = engine._engine_args(patches, "auto", on_cpu=False)
+    args = engine._engine_args(patches, "auto")
     assert args.scheduler_cls == AUTOPILOT_SCHEDULER
     assert args.async_scheduling is False
     vllm_config = V033Config(async_scheduling=args.async_scheduling)
