@@ -111,7 +111,7 @@ RUN if [ "$BAKE_MODELS" = "true" ]; then \
 FROM runtime AS serving
 COPY --from=models --chown=1000:1000 /models /models
 # HF_HOME: hub downloads (models given as org/name) land in the cache volume too;
-# VLLM_CACHE_ROOT: so do vLLM's compiled models, which a restart then reuses.
+# TORCHINDUCTOR_CACHE_DIR: so do the compiled models' kernels, which a restart reuses.
 # SPECSERVE_HOST: a container listens on every interface, so the server refuses
 # to start without SPECSERVE_API_KEY_FILE unless SPECSERVE_ALLOW_UNAUTHENTICATED=true
 # says open access is meant.
@@ -120,7 +120,7 @@ ENV PATH=/opt/specserve/bin:$PATH \
     SPECSERVE_HOST=0.0.0.0 \
     SPECSERVE_CACHE_DIR=/models \
     HF_HOME=/models/huggingface \
-    VLLM_CACHE_ROOT=/models/vllm
+    TORCHINDUCTOR_CACHE_DIR=/models/torchinductor
 USER 1000:1000
 WORKDIR /home/specserve
 VOLUME ["/models"]

@@ -228,9 +228,9 @@ class Settings(BaseSettings):
     enforce_eager: bool = Field(
         False,
         description="Run the models without torch.compile (on a GPU also without CUDA graphs), "
-        "as vLLM's `--enforce-eager`. Compiled, the first start on a CPU takes about a minute "
-        "longer (vLLM caches the compiled models for later starts) and each step is cheaper "
-        '(docs/benchmarks.md, "Compiled or eager").',
+        "as vLLM's `--enforce-eager`. Compiled, a start on a CPU takes about a minute longer the "
+        "first time and half a minute later (torch caches the compiled kernels), and each "
+        'step is cheaper (docs/benchmarks.md, "Compiled or eager").',
     )
     no_prefix_caching: bool = Field(
         False,

