@@ -37,7 +37,7 @@ import httpx
 from loadtest.client import send
 from loadtest.records import RequestRecord
 from loadtest.workloads import WorkItem
-from server.engine.base import (
+from server.engine.contract import (
     ChoiceDelta,
     EngineInfo,
     EngineOutput,

@@ -33,7 +33,7 @@ from server.config import (
     DEFAULT_MAX_QUEUED_REQUESTS,
     DEFAULT_QUEUE_TIMEOUT_SECONDS,
 )
-from server.engine.base import Engine
+from server.engine.contract import Engine
 from server.errors import (
     APIError,
     InternalError,

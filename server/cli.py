@@ -19,7 +19,7 @@ from server.weights.embedded import ModelPullError
 if TYPE_CHECKING:
     import socket
 
-    from server.engine.base import Engine
+    from server.engine.contract import Engine
     from server.traffic.api_keys import ApiKeys
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from server.engine.base import Engine
+from server.engine.contract import Engine
 
 
 def get_engine(request: Request) -> Engine:

@@ -19,7 +19,7 @@ from server.api.auth import tenant
 from server.api.deps import EngineDep
 from server.api.instrumentation import arrival
 from server.api.replies import error_responses
-from server.engine.base import Engine
+from server.engine.contract import Engine
 from server.protocol.chat import ChatCompletionRequest
 from server.protocol.completions import CompletionRequest
 from server.protocol.responses import CreateResponseRequest

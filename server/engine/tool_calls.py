@@ -10,7 +10,7 @@ back what could start one).
 
 from typing import Any
 
-from server.engine.base import ParsedReply
+from server.engine.contract import ParsedReply
 
 
 def parser_class(name: str) -> Any:

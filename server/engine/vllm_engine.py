@@ -1,4 +1,4 @@
-"""The vLLM adapter: the engine contract (`engine/base.py`) on an in-process `AsyncLLM` (v1).
+"""The vLLM adapter: the engine contract (`engine/contract.py`) on an in-process `AsyncLLM` (v1).
 
 Builds it with draft-model or n-gram speculation, a per-batch-size speculation schedule,
 per-request speculation metrics and the vLLM patches that can apply, sets up the CPU runtime
@@ -19,7 +19,9 @@ from typing import Any, Literal
 from server.autopilot.feed import AutopilotFeed
 from server.config import DRAFT_METHODS
 from server.engine import vllm_patches, vllm_source
-from server.engine.base import (
+from server.engine.calibration import calibrate
+from server.engine.compat import kv_cache_gib_for
+from server.engine.contract import (
     EngineInfo,
     EngineMode,
     EngineOutput,
@@ -29,8 +31,6 @@ from server.engine.base import (
     SpeculationStats,
     ToolCallParser,
 )
-from server.engine.calibration import calibrate
-from server.engine.compat import kv_cache_gib_for
 from server.engine.hardware import choose_dtype
 from server.engine.memory import (
     MemoryReport,

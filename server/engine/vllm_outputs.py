@@ -1,4 +1,4 @@
-"""vLLM's requests and outputs on the engine contract (engine/base.py): the SamplingParams of a
+"""vLLM's requests and outputs on the engine contract (engine/contract.py): the SamplingParams of a
 request's options, and each RequestOutput's choices, logprobs, finish reasons, token times and
 speculation counts. Imports vllm only inside functions, as the adapter does.
 """
@@ -7,7 +7,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from server.engine.base import (
+from server.engine.contract import (
     ChoiceDelta,
     SamplingOptions,
     SpeculationStats,

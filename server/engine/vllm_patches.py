@@ -21,7 +21,8 @@ is its one registry:
   is reported to the front end (`specserve_vllm_patch_failures_total`) and hands
   that path back to vLLM's own code for the rest of the process, so a vLLM that
   moved a private member degrades speculation instead of killing the engine.
-- `mark`/`original_of`: the one idempotence marker on a replaced function.
+- `mark`/`is_replaced`: the one idempotence marker on a replaced function (`MARKER`, the
+  attribute holding what it replaced).
 
 No vLLM import here: the front end, the checker and the plugins share it.
 """
@@ -40,9 +41,11 @@ from server.engine.vllm_source import Hook, Source, check_hook
 logger = logging.getLogger(__name__)
 
 SETTINGS_ENV = "SPECSERVE_VLLM_SETTINGS"
-# Test knob: the named fault point raises once per process (see `fault_point`).
+# Tests only: the fault point it names raises once per process (`fault_point`). Read once, at
+# import: tests set it before vLLM's processes start, so no patched path reads it per call.
 FAULT_ENV = "SPECSERVE_INJECT_FAULT"
-_MARKER = "specserve_original"
+_fault_at = os.environ.get(FAULT_ENV)
+MARKER = "specserve_original"
 
 
 @dataclass(frozen=True)
@@ -564,11 +567,6 @@ def contained(patch: str, fallback: Callable[..., Any]) -> Callable[[F], F]:
     return decorate
 
 
-def failed(patch: str) -> bool:
-    """Whether the patch failed in this process (its path is vLLM's own since)."""
-    return patch in _failed
-
-
 def _report_failure(patch: str) -> None:
     Reporter(f"patch_failures:{os.getpid()}", report_socket()).send(
         {"failed": sorted(_failed), "last": patch}
@@ -576,8 +574,8 @@ def _report_failure(patch: str) -> None:
 
 
 def fault_point(name: str) -> None:
-    """Raise here once per process when `FAULT_ENV` names this point (fault injection)."""
-    if os.environ.get(FAULT_ENV) == name and name not in _injected:
+    """Raise here once per process when `FAULT_ENV` named this point at import (tests only)."""
+    if name == _fault_at and name not in _injected:
         _injected.add(name)
         raise RuntimeError(f"injected fault at {name} ({FAULT_ENV})")
 
@@ -587,13 +585,8 @@ _injected: set[str] = set()
 
 def mark(replacement: Callable[..., Any], original: Callable[..., Any]) -> None:
     """Record what `replacement` replaced: the one idempotence marker."""
-    setattr(replacement, _MARKER, original)
-
-
-def original_of(function: Callable[..., Any]) -> Callable[..., Any]:
-    """vLLM's own function behind a replacement (the function itself if not replaced)."""
-    return getattr(function, _MARKER, function)
+    setattr(replacement, MARKER, original)
 
 
 def is_replaced(function: Callable[..., Any]) -> bool:
-    return hasattr(function, _MARKER)
+    return hasattr(function, MARKER)

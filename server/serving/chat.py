@@ -4,7 +4,7 @@ template, engine outputs to assistant messages (text or tool calls) or chunk del
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from server.engine.base import (
+from server.engine.contract import (
     Engine,
     GenerationRequest,
     ParsedReply,

@@ -16,7 +16,7 @@ from contextlib import aclosing
 from types import MappingProxyType
 
 from server.autopilot.idle import IdleReason
-from server.engine.base import Engine, EngineOutput, GenerationRequest, JsonFormat
+from server.engine.contract import Engine, EngineOutput, GenerationRequest, JsonFormat
 from server.errors import (
     ContextLengthExceededError,
     InvalidRequestError,

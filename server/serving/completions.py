@@ -3,7 +3,7 @@
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from server.engine.base import (
+from server.engine.contract import (
     ChoiceDelta,
     Engine,
     GenerationRequest,

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from server.autopilot.idle import IdleReason
-from server.engine.base import EngineInfo, EngineOutput, SpeculationStats
+from server.engine.contract import EngineInfo, EngineOutput, SpeculationStats
 from server.metrics import (
     ANONYMOUS_TENANT,
     BASELINE_TPOT,

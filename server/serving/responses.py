@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from server.engine.base import (
+from server.engine.contract import (
     Engine,
     GenerationRequest,
     SamplingOptions,

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from server.engine.base import Engine, JsonFormat, ParsedReply, ToolCallParser
+from server.engine.contract import Engine, JsonFormat, ParsedReply, ToolCallParser
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 

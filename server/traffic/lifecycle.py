@@ -9,7 +9,7 @@ the exit status.
 import asyncio
 import logging
 
-from server.engine.base import Engine
+from server.engine.contract import Engine
 from server.traffic.admission_queue import AdmissionController
 
 logger = logging.getLogger(__name__)

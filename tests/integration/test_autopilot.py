@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client import REGISTRY
 
-from server.engine.base import SamplingOptions
+from server.engine.contract import SamplingOptions
 from tests.integration.conftest import RunningServer, TinyModels, serve, tiny_engine_config
 from tests.integration.test_lossless import PROMPTS, _at, _binned_total_variation, _run, _sample
 

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from server.engine import cpu_fix, vllm_patches
+from server.engine import cpu_fix
 from server.engine.hardware import read_cpu_flags
 from server.weights.quantized_export import GROUP_SIZE, quantize_int4_groups
+from tests.patch_probes import original_of
 
 pytestmark = pytest.mark.integration
 
@@ -22,7 +23,7 @@ def expand_impls() -> tuple[object, object]:
     current_platform.import_kernels()  # the C++ fallback kernels
     cpu_fix.register_expand_fix()
     fixed = cpu_triton_utils._expand_kernel_impl
-    return vllm_patches.original_of(fixed), fixed
+    return original_of(fixed), fixed
 
 
 def _inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -72,7 +73,7 @@ def sgl_checks() -> tuple[object, object]:
         pytest.skip("vLLM takes its AMX int8 kernel only on a CPU with AMX")
     cpu_fix.register_quantized_kernel_choice()
     fixed = cpu.check_cpu_sgl_kernel
-    return vllm_patches.original_of(fixed), fixed
+    return original_of(fixed), fixed
 
 
 def test_int8_layers_in_float32_leave_the_amx_kernel_and_bf16_keeps_it(sgl_checks: tuple) -> None:
@@ -96,7 +97,7 @@ def test_on_vnni_without_amx_int8_layers_in_bf16_take_the_sgl_kernel() -> None:
     if not cpu_fix.vnni_without_amx(read_cpu_flags() or frozenset()):
         pytest.skip("a CPU with AVX-512 VNNI and bf16 but no AMX")
     cpu_fix.register_quantized_kernel_choice()
-    original, fixed = vllm_patches.original_of(cpu.check_cpu_sgl_kernel), cpu.check_cpu_sgl_kernel
+    original, fixed = original_of(cpu.check_cpu_sgl_kernel), cpu.check_cpu_sgl_kernel
     previous = torch.get_default_dtype()
     try:
         torch.set_default_dtype(torch.bfloat16)

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from server.engine.base import SamplingOptions
+from server.engine.contract import SamplingOptions
 from server.engine.vllm_engine import VllmEngine
 from server.weights import draft_vocab
 from tests.integration.conftest import RunningServer, TinyModels, serve, tiny_engine_config

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from server.engine.base import GenerationRequest, SamplingOptions
+from server.engine.contract import GenerationRequest, SamplingOptions
 from server.engine.vllm_engine import VllmEngine
 from tests.integration.conftest import RunningServer, TinyModels, serve, tiny_engine_config
 from tests.integration.test_lossless import PROMPTS, TVD_BOUND, _at, _binned_total_variation

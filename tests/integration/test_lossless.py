@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 
-from server.engine.base import GenerationRequest, SamplingOptions, SpeculationStats
+from server.engine.contract import GenerationRequest, SamplingOptions, SpeculationStats
 from server.engine.vllm_engine import VllmEngine
 from tests.integration.conftest import RunningServer
 

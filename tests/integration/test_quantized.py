@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from server.config import ConfigError, Settings
-from server.engine.base import SamplingOptions
+from server.engine.contract import SamplingOptions
 from server.engine.memory import weights_as_served
 from server.engine.resolve import resolve
 from server.weights import quantized_export

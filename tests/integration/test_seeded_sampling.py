@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from server.engine.base import SamplingOptions
+from server.engine.contract import SamplingOptions
 from tests.integration.conftest import RunningServer, TinyModels, serve, tiny_engine_config
 from tests.integration.test_lossless import (
     PROMPTS,

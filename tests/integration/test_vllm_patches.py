@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from server.engine import vllm_patches
-from server.engine.base import SamplingOptions
+from server.engine.contract import SamplingOptions
 from tests.integration.conftest import RunningServer, TinyModels, serve, tiny_engine_config
 from tests.integration.test_lossless import PROMPTS, _run
 

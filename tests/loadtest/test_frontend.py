@@ -9,7 +9,7 @@ import pytest
 
 from loadtest import cli
 from loadtest.frontend import SyntheticEngine, top_functions
-from server.engine.base import GenerationRequest, SamplingOptions
+from server.engine.contract import GenerationRequest, SamplingOptions
 
 
 def test_the_synthetic_engine_streams_a_token_per_output_or_sends_the_reply_whole() -> None:

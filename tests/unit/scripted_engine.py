@@ -16,7 +16,7 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
-from server.engine.base import (
+from server.engine.contract import (
     ChoiceDelta,
     EngineInfo,
     EngineMode,

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from server.engine.base import GenerationRequest, SamplingOptions
+from server.engine.contract import GenerationRequest, SamplingOptions
 from server.serving.common import _merged
 
 

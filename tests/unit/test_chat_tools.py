@@ -5,7 +5,7 @@ import json
 
 import httpx
 
-from server.engine.base import JsonFormat
+from server.engine.contract import JsonFormat
 from tests.unit.scripted_engine import ScriptedEngine
 from tests.unit.sse import events
 

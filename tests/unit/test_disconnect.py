@@ -3,7 +3,7 @@
 import asyncio
 
 from server.api.replies import until_disconnected
-from server.engine.base import GenerationRequest, SamplingOptions
+from server.engine.contract import GenerationRequest, SamplingOptions
 from tests.unit.scripted_engine import ScriptedEngine
 
 

@@ -12,7 +12,6 @@ from server import cli
 from server.app import create_app
 from server.config import ConfigError
 from server.engine import resolve as resolve_module
-from server.engine.base import EngineInfo
 from server.engine.compat import (
     GIB,
     KvShape,
@@ -22,6 +21,7 @@ from server.engine.compat import (
     kv_cache_gib_for,
     longest_context_fitting,
 )
+from server.engine.contract import EngineInfo
 from server.engine.hardware import choose_dtype, choose_target_quantization, read_cpu_flags
 from tests.unit.scripted_engine import ScriptedEngine
 

@@ -19,7 +19,7 @@ from vllm.config import CompilationMode
 
 from server.config import ConfigError, Settings
 from server.engine import resolve, vllm_engine, vllm_patches, vllm_source
-from server.engine.base import SamplingOptions
+from server.engine.contract import SamplingOptions
 from server.engine.hardware import choose_draft_quantization
 from server.engine.vllm_engine import AUTOPILOT_SCHEDULER, EngineConfig, VllmEngine
 from server.errors import InvalidRequestError

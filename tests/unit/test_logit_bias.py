@@ -9,9 +9,10 @@ import httpx
 import pytest
 
 from server.engine import autopilot_scheduler, logit_bias, vllm_patches, vllm_source
-from server.engine.base import SamplingOptions
+from server.engine.contract import SamplingOptions
 from server.engine.vllm_outputs import sampling_params
 from server.protocol.common import MAX_LOGIT_BIAS
+from tests.patch_probes import original_of
 from tests.unit.scripted_engine import ScriptedEngine
 
 USER = [{"role": "user", "content": "hi"}]
@@ -135,7 +136,7 @@ def test_the_request_check_lets_logit_bias_through_and_still_refuses_min_p(
     # vLLM's own check, also where an engine started earlier in this process patched it;
     # the patch is process-wide, so the test restores what was there.
     check = SamplingParams._validate_spec_decode
-    monkeypatch.setattr(SamplingParams, "_validate_spec_decode", vllm_patches.original_of(check))
+    monkeypatch.setattr(SamplingParams, "_validate_spec_decode", original_of(check))
     speculative_config: Any = object()  # the check only asks whether there is one
     biased = SamplingParams(max_tokens=4, logit_bias={5: -100.0})
     with pytest.raises(VLLMValidationError):
@@ -161,7 +162,7 @@ def test_the_worker_builds_the_logit_bias_processor_under_speculation(
     # vLLM's own builder, also where this process loaded our plugin before (engines started
     # by earlier tests); restored after the test.
     build = gpu_model_runner.build_logitsprocs
-    monkeypatch.setattr(gpu_model_runner, "build_logitsprocs", vllm_patches.original_of(build))
+    monkeypatch.setattr(gpu_model_runner, "build_logitsprocs", original_of(build))
 
     def built(speculative_config: object) -> list[type]:
         config = SimpleNamespace(speculative_config=speculative_config)

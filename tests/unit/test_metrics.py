@@ -9,7 +9,13 @@ from prometheus_client import REGISTRY
 
 from server.api.instrumentation import endpoint_label
 from server.app import create_app
-from server.engine.base import ChoiceDelta, EngineInfo, EngineOutput, SpeculationStats, TokenTimes
+from server.engine.contract import (
+    ChoiceDelta,
+    EngineInfo,
+    EngineOutput,
+    SpeculationStats,
+    TokenTimes,
+)
 from server.serving.observer import RequestObserver, SpeculationWindow
 from tests.unit.scripted_engine import SCRIPTED_SPECULATION, ScriptedEngine
 from tests.unit.sse import events

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from server import cli
 from server.config import DEFAULT_CPU_BLOCK_SIZE, ConfigError, Settings
 from server.engine import resolve as resolve_module
-from server.engine.base import GenerationRequest, SamplingOptions
+from server.engine.contract import GenerationRequest, SamplingOptions
 from server.engine.resolve import resolve
 from server.engine.vllm_engine import EngineConfig, VllmEngine
 from tests.unit.sse import events

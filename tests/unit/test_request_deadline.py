@@ -7,7 +7,7 @@ from contextlib import aclosing
 
 import pytest
 
-from server.engine.base import EngineOutput, GenerationRequest, SamplingOptions
+from server.engine.contract import EngineOutput, GenerationRequest, SamplingOptions
 from server.errors import RequestTimeoutError
 from server.serving.common import generate_all
 from server.serving.observer import RequestObserver

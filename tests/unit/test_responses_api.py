@@ -24,7 +24,7 @@ from prometheus_client import REGISTRY
 from pydantic import TypeAdapter
 
 from server.app import create_app
-from server.engine.base import JsonFormat
+from server.engine.contract import JsonFormat
 from tests.unit.scripted_engine import ScriptedEngine
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

@@ -12,6 +12,7 @@ from prometheus_client import REGISTRY
 from server.autopilot.feed import AutopilotFeed
 from server.engine import vllm_patches, vllm_source
 from server.engine.vllm_source import Hook, check_hook
+from tests.patch_probes import failed
 
 SOURCES = {
     "vllm.base": (
@@ -111,7 +112,7 @@ async def test_a_failing_patch_hands_over_to_vllm_logs_once_and_is_counted(
             assert patched(-1) == -1
             assert patched(3) == 3
         assert calls == ["patch", "patch", "vllm", "vllm"]
-        assert vllm_patches.failed("draft_idle")
+        assert failed("draft_idle")
         assert len(caplog.records) == 1
         assert "the draft_idle patch failed; vLLM's own code from now on" in caplog.text
         feed.drain()
@@ -123,8 +124,9 @@ async def test_a_failing_patch_hands_over_to_vllm_logs_once_and_is_counted(
 
 def test_a_fault_point_raises_once_where_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vllm_patches, "_injected", set())
+    monkeypatch.setattr(vllm_patches, "_fault_at", None)
     vllm_patches.fault_point("draft_catch_up")  # not named: nothing
-    monkeypatch.setenv(vllm_patches.FAULT_ENV, "draft_catch_up")
+    monkeypatch.setattr(vllm_patches, "_fault_at", "draft_catch_up")  # FAULT_ENV at import
     vllm_patches.fault_point("elsewhere")
     with pytest.raises(RuntimeError, match="injected fault at draft_catch_up"):
         vllm_patches.fault_point("draft_catch_up")
