@@ -32,9 +32,8 @@ class AcceptanceTracker:
     steps that verify nothing age nothing (there is no news about acceptance in them).
 
     prior_strength is in verify steps. 6 (a request's estimate held nearer the traffic's, so a
-    lucky streak of a prose request buys less) looked better in a simulation and was worse on
-    a 2-core CPU: code at 1, 2 and 4 requests ran 1.23x, 1.02x and 0.94x of K = 0 against
-    1.33x, 1.09x and 0.98x with 2 (8 rounds each, within each other's intervals; prose alike).
+    lucky streak of a prose request buys less) looked better in a simulation and measured no
+    better than 2 on a CPU (docs/benchmarks.md, "Observations behind choices").
     """
 
     def __init__(
@@ -89,10 +88,9 @@ class AcceptanceTracker:
         # positions outweigh the prior, and those bound every deeper one's worth). Each
         # position is shrunk toward the traffic's at that position, not toward its own
         # previous one: with that chain, one draft rejected at the second position of a code
-        # request whose drafts are accepted ~95% of the time took its third and fourth down
-        # with it (0.96, 0.73, 0.73, 0.73), and it ran at K = 1-2 for several steps
-        # where K = 4 pays most (on an AVX-512 CPU, fixed K = 4 ran code at one request
-        # 1.59x of K = 0, auto 1.32x).
+        # request whose drafts are nearly always accepted took its third and fourth down with
+        # it, and it ran at K = 1-2 for several steps where K = 4 pays most
+        # (docs/benchmarks.md, "Observations behind choices").
         own = self._requests.get(request_id)
         if own is None:
             return overall

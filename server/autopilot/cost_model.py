@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 MIN_STEP_SECONDS = 1e-6
 # Steady steps kept per measured shape. Its time is their low median: step times are noisy
-# upwards (on a 2-core CPU the first decode step after a 317-token prefill took 1.75x the usual),
-# so one slow step does not define a shape once a second sample exists.
+# upwards (a decode step right after a long prefill is much slower than usual:
+# docs/benchmarks.md, "Observations behind choices"), so one slow step does not define a shape
+# once a second sample exists.
 SHAPE_SAMPLES = 5
 # Pull toward the previous fit. Features are O(1)..O(B*K) and the window holds ~100 steps, so
 # this is negligible wherever the window has data and only holds the directions it leaves open
@@ -20,9 +21,8 @@ _RIDGE = 1e-3
 _LONG_FORGETTING = 0.999
 # What the long-run fit weighs in the window's, per feature: as many steps as this, each with
 # the largest value of the feature seen. In a window of K = 0 steps only the rare resumption
-# prices the draft and its catch-up; without this, each one alone set those costs (seen on a
-# 2-core CPU: the draft's cost per pass swung from 0.06 to 0.3 s within minutes, and 0.87 s
-# after an hour).
+# prices the draft and its catch-up; without this, each one alone set those costs, which then
+# swung several-fold within minutes (docs/benchmarks.md, "Observations behind choices").
 _PRIOR_STEPS = 2.0
 
 
@@ -175,8 +175,7 @@ class CostModel:
         measures again while speculation stays on. A sample with drafts is the plain step of
         its batch size then plus what its drafts cost: it moves with that plain step (the
         machine slowed, the contexts grew), not with the fit, which rounds at other batch sizes
-        bend (on a 2-core CPU, after rounds at 4 and 8 requests, K = 2 at one request measured
-        at 1.5x a plain step read 1.9x when moved by the fit's change). What drafts cost is
+        bend (docs/benchmarks.md, "Observations behind choices"). What drafts cost is
         measured again by every steady step of the shape."""
         samples = self._measured[shape]
         if shape[1] == 0:
@@ -227,9 +226,9 @@ class CostModel:
         A measured shape (see _is_measured) is its measured time (see _measured_seconds);
         between two measured batch sizes at this K, the line through them; beyond the measured
         ones, the nearest plus the fit's difference, because the fit's slope rests on every
-        step in its window while two nearby sizes' slope is noise times the distance (on a
-        2-core CPU a line through batch 3 and 4 put K=2 at batch 8 under K=1, and speculation
-        turned on at 8 requests at 0.8x); with nothing measured at this K, the fit.
+        step in its window while two nearby sizes' slope is noise times the distance
+        (docs/benchmarks.md, "Observations behind choices"); with nothing measured at this K, the
+        fit.
 
         A step with drafts does all a plain step does and more, so K > 0 is never put below
         K = 0. A measured shape moves with its plain step since it was measured, and a plain

@@ -166,12 +166,10 @@ class Controller:
         if lately > batch and all(state.prefilling for state in requests.values()):
             # Requests that arrive together reach the engine a few milliseconds apart: the
             # first is prefilled alone and the rest join it one step later. Drafted for at
-            # the batch size of one, its drafts would be verified at the batch size of all
-            # (on a 2-core CPU, rounds of four code requests lost 7%: ~1 s of draft work per
-            # round, before a K = 0 the rest of the round). Where requests have not run
-            # together lately, the prefill step drafts: idle there, the draft catches up on the
-            # whole prompt in the next step, which then verifies nothing (on a 2-core CPU, one
-            # code request of 32 tokens spent 15% of its time on that step).
+            # the batch size of one, its drafts would be verified at the batch size of all. Where
+            # requests have not run together lately, the prefill step drafts: idle there, the
+            # draft catches up on the whole prompt in the next step, which then verifies
+            # nothing. What each cost: docs/benchmarks.md, "Observations behind choices".
             return Decision(
                 k=0, per_request_k=dict.fromkeys(request_ids, 0), reason=IdleReason.PREFILL
             )
@@ -340,11 +338,9 @@ class Controller:
         replace those finishing. In steady traffic a request is replaced when it ends, and one
         producing t tokens per step of a reply of n ends 1/(n/t) times per step; its successor,
         if the batch speculates, has the draft catch up on a prompt like its own. Paid once
-        per request, it is what a request's own speedup must earn back: on a 2-core CPU the
-        draft catches up ~0.0075 s per prompt token, and at eight code requests of 32 tokens a
-        new one joins every few steps (that cell ran at 0.90x of K = 0 with each catch-up priced
-        against the whole batch's savings, at 1.01x priced this way). Nothing at K = 0: the
-        draft idles."""
+        per request, it is what a request's own speedup must earn back (priced against the
+        whole batch's savings instead, many short requests lost:
+        docs/benchmarks.md, "Observations behind choices"). Nothing at K = 0: the draft idles."""
         per_token = self._cost.catch_up_seconds(1)
         return [
             0.0

