@@ -8,7 +8,6 @@ from server.engine.contract import (
     Engine,
     GenerationRequest,
     ParsedReply,
-    SamplingOptions,
     TokenLogprob,
 )
 from server.protocol.chat import (
@@ -28,15 +27,14 @@ from server.protocol.chat import (
     ToolCallFunctionDelta,
     TopLogprob,
 )
-from server.protocol.common import draft_cap
 from server.serving.common import (
     check_model,
     generate_all,
     json_format,
-    logit_bias,
     new_id,
     now,
     resolve_max_tokens,
+    sampling_options,
     speculation_summary,
     usage,
     validate_all,
@@ -95,20 +93,8 @@ def prepare(
     token_ids = engine.render_chat(messages, tools.template_tools() if tools else None)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(engine, len(token_ids), body.token_limit(), "messages", param)
-    sampling = SamplingOptions(
-        max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        n=body.n,
-        stop=body.stop_list(),
-        seed=body.seed,
-        logprobs=body.logprob_count(),
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        logit_bias=logit_bias(engine, body),
-        max_draft_tokens=draft_cap(body.speculation),
-        json_format=(tools.grammar() if tools else None) or json_format(body.response_format),
-    )
+    grammar = (tools.grammar() if tools else None) or json_format(body.response_format)
+    sampling = sampling_options(engine, body, max_tokens, body.logprob_count(), grammar)
     chat_id = new_id("chatcmpl")
     request = GenerationRequest(chat_id, token_ids, sampling, stream=body.stream, tenant=tenant)
     validate_all(engine, [request])

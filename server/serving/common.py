@@ -16,7 +16,13 @@ from contextlib import aclosing
 from types import MappingProxyType
 
 from server.autopilot.idle import IdleReason
-from server.engine.contract import Engine, EngineOutput, GenerationRequest, JsonFormat
+from server.engine.contract import (
+    Engine,
+    EngineOutput,
+    GenerationRequest,
+    JsonFormat,
+    SamplingOptions,
+)
 from server.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
@@ -29,6 +35,7 @@ from server.protocol.common import (
     SamplingFields,
     SpeculationSummary,
     Usage,
+    draft_cap,
 )
 from server.serving.observer import RequestObserver
 
@@ -68,6 +75,31 @@ def logit_bias(engine: Engine, body: SamplingFields) -> Mapping[int, float] | No
             param="logit_bias",
         )
     return MappingProxyType(bias)
+
+
+def sampling_options(
+    engine: Engine,
+    body: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    grammar: JsonFormat | None,
+) -> SamplingOptions:
+    """The engine's options for a chat or completions body (the two share their sampling
+    fields; how many logprobs and which grammar each endpoint reads its own way)."""
+    return SamplingOptions(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        n=body.n,
+        stop=body.stop_list(),
+        seed=body.seed,
+        logprobs=logprobs,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        json_format=grammar,
+        logit_bias=logit_bias(engine, body),
+        max_draft_tokens=draft_cap(body.speculation),
+    )
 
 
 def validate_all(engine: Engine, requests: list[GenerationRequest]) -> None:

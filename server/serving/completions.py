@@ -7,11 +7,9 @@ from server.engine.contract import (
     ChoiceDelta,
     Engine,
     GenerationRequest,
-    SamplingOptions,
     TokenLogprob,
 )
 from server.errors import InvalidRequestError
-from server.protocol.common import draft_cap
 from server.protocol.completions import (
     CompletionChoice,
     CompletionLogprobs,
@@ -26,6 +24,7 @@ from server.serving.common import (
     new_id,
     now,
     resolve_max_tokens,
+    sampling_options,
     speculation_summary,
     usage,
     validate_all,
@@ -62,7 +61,7 @@ def prepare(
 ) -> PreparedCompletion:
     model = check_model(engine, body.model)
     completion_id = new_id("cmpl")
-    bias = logit_bias(engine, body)
+    logit_bias(engine, body)  # a 400 for ids outside the vocabulary before any prompt's work
     requests, echo_texts = [], []
     for position, prompt in enumerate(body.prompts()):
         if isinstance(prompt, str) and body.suffix is not None:
@@ -73,20 +72,8 @@ def prepare(
         max_tokens = resolve_max_tokens(
             engine, len(token_ids), body.max_tokens, "prompt", "max_tokens"
         )
-        sampling = SamplingOptions(
-            max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            n=body.n,
-            stop=body.stop_list(),
-            seed=body.seed,
-            logprobs=body.logprobs,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-            json_format=json_format(body.response_format),
-            logit_bias=bias,
-            max_draft_tokens=draft_cap(body.speculation),
-        )
+        grammar = json_format(body.response_format)
+        sampling = sampling_options(engine, body, max_tokens, body.logprobs, grammar)
         requests.append(
             GenerationRequest(
                 f"{completion_id}-{position}", token_ids, sampling, body.stream, tenant
