@@ -7,7 +7,7 @@ its settings for vLLM's processes (`vllm_patches.report_socket()`).
 Sending never blocks an engine step: when the front end is behind, the report
 stays pending and the next one carries the newer totals (they are cumulative,
 so nothing is lost).
-The front end's receiving side is `server.autopilot.feed`.
+The front end's receiving side is `server.engine.autopilot_feed`.
 """
 
 import json

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from server.autopilot.feed import AutopilotFeed
+from server.engine.autopilot_feed import AutopilotFeed
 from server.engine.request_args import CALIBRATION_PREFIX
 
 logger = logging.getLogger(__name__)

@@ -16,9 +16,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from server.autopilot.feed import AutopilotFeed
 from server.config import DRAFT_METHODS
 from server.engine import vllm_patches, vllm_source
+from server.engine.autopilot_feed import AutopilotFeed
 from server.engine.calibration import calibrate
 from server.engine.compat import kv_cache_gib_for
 from server.engine.contract import (

@@ -15,11 +15,11 @@ from prometheus_client import REGISTRY
 
 from server.autopilot.acceptance import AcceptanceTracker
 from server.autopilot.end_to_end import EndToEnd
-from server.autopilot.feed import AutopilotFeed
 from server.autopilot.idle import IdleReason
 from server.autopilot.lookup import Proposal
 from server.autopilot.reports import Verified
 from server.engine import autopilot_scheduler, request_args, vllm_patches, vllm_source
+from server.engine.autopilot_feed import AutopilotFeed
 from server.engine.autopilot_report import Reporter
 from server.engine.scheduler_lookups import SchedulerLookups
 from server.engine.vllm_engine import EngineConfig, VllmEngine

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from server.autopilot.feed import AutopilotFeed
 from server.engine import vllm_patches, vllm_source
+from server.engine.autopilot_feed import AutopilotFeed
 from server.engine.vllm_source import Hook, check_hook
 from tests.patch_probes import failed
 
