@@ -86,16 +86,15 @@ def _int8_head(layer: Any) -> None:
     import torch
     from vllm import _custom_ops as ops
 
+    from server.weights.quantized_export import quantize_per_channel
+
     weight = layer.weight.data
     rows = weight.shape[0]
     quantized = torch.empty(weight.shape, dtype=torch.int8)
     scales = torch.empty((rows, 1), dtype=torch.float32)
     for start in range(0, rows, _HEAD_BLOCK_ROWS):
-        block = weight[start : start + _HEAD_BLOCK_ROWS].float()
-        scale = block.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
-        rounded = torch.round(block / scale).clamp(-127, 127)
-        quantized[start : start + _HEAD_BLOCK_ROWS] = rounded.to(torch.int8)
-        scales[start : start + _HEAD_BLOCK_ROWS] = scale
+        block = slice(start, start + _HEAD_BLOCK_ROWS)
+        quantized[block], scales[block] = quantize_per_channel(weight[block])
     # oneDNN packs its own copy of the weights; the scales it reads where they are, so the
     # layer keeps them.
     handler = ops.create_onednn_scaled_mm(quantized.t(), scales, weight.dtype, True, False, 32)

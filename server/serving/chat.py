@@ -31,6 +31,7 @@ from server.serving.common import (
     check_model,
     generate_all,
     json_format,
+    logit_bias,
     new_id,
     now,
     resolve_max_tokens,
@@ -94,7 +95,8 @@ def prepare(
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(engine, len(token_ids), body.token_limit(), "messages", param)
     grammar = (tools.grammar() if tools else None) or json_format(body.response_format)
-    sampling = sampling_options(engine, body, max_tokens, body.logprob_count(), grammar)
+    bias = logit_bias(engine, body)
+    sampling = sampling_options(body, max_tokens, body.logprob_count(), grammar, bias)
     chat_id = new_id("chatcmpl")
     request = GenerationRequest(chat_id, token_ids, sampling, stream=body.stream, tenant=tenant)
     validate_all(engine, [request])

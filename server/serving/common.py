@@ -78,14 +78,15 @@ def logit_bias(engine: Engine, body: SamplingFields) -> Mapping[int, float] | No
 
 
 def sampling_options(
-    engine: Engine,
     body: SamplingFields,
     max_tokens: int,
     logprobs: int | None,
     grammar: JsonFormat | None,
+    bias: Mapping[int, float] | None,
 ) -> SamplingOptions:
     """The engine's options for a chat or completions body (the two share their sampling
-    fields; how many logprobs and which grammar each endpoint reads its own way)."""
+    fields; how many logprobs and which grammar each endpoint reads its own way; `bias` is
+    `logit_bias(engine, body)`, checked once per body)."""
     return SamplingOptions(
         max_tokens=max_tokens,
         temperature=body.temperature,
@@ -97,7 +98,7 @@ def sampling_options(
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         json_format=grammar,
-        logit_bias=logit_bias(engine, body),
+        logit_bias=bias,
         max_draft_tokens=draft_cap(body.speculation),
     )
 

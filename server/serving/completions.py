@@ -61,7 +61,7 @@ def prepare(
 ) -> PreparedCompletion:
     model = check_model(engine, body.model)
     completion_id = new_id("cmpl")
-    logit_bias(engine, body)  # a 400 for ids outside the vocabulary before any prompt's work
+    bias = logit_bias(engine, body)
     requests, echo_texts = [], []
     for position, prompt in enumerate(body.prompts()):
         if isinstance(prompt, str) and body.suffix is not None:
@@ -73,7 +73,7 @@ def prepare(
             engine, len(token_ids), body.max_tokens, "prompt", "max_tokens"
         )
         grammar = json_format(body.response_format)
-        sampling = sampling_options(engine, body, max_tokens, body.logprobs, grammar)
+        sampling = sampling_options(body, max_tokens, body.logprobs, grammar, bias)
         requests.append(
             GenerationRequest(
                 f"{completion_id}-{position}", token_ids, sampling, body.stream, tenant

@@ -1,7 +1,8 @@
 """Quantized copies (server/weights/quantized_export.py) on the real engine: vLLM runs int8 on
-its int8 kernel and int4 on its W4A16 kernel, an int8 draft leaves the target's greedy output
-unchanged, the quantized copy of the target still drafts for it well, `--quantization` serves
-the target from its copy, and speculation keeps a quantized target's own greedy output."""
+its int8 kernel and int4 on CPUWNA16 (W4A8 where the CPU has AMX or VNNI, cpu_fix.py), an
+int8 draft leaves the target's greedy output unchanged, the quantized copy of the target still
+drafts for it well, `--quantization` serves the target from its copy, and speculation keeps a
+quantized target's own greedy output."""
 
 import os
 from pathlib import Path
