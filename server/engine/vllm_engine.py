@@ -363,7 +363,7 @@ class VllmEngine:
     def _start_patches(self, patches: list[str]) -> None:
         """What vLLM's processes need to know, in the one channel they read (set before they
         spawn); vLLM's refusal of logit_bias with speculation lifted in this process."""
-        from server.engine import logit_bias
+        from server.engine import cpu_memory, logit_bias
 
         config = self._config
         settings: dict[str, Any] = {"patches": patches}
@@ -395,6 +395,10 @@ class VllmEngine:
         if "logit_bias" in patches:
             # The autopilot's scheduler keeps biased requests off drafts.
             logit_bias.allow_in_request_checks()
+        if "cpu_embedding_memory" in patches:
+            # vLLM's renderer loads this process's tokenizers (the plugins ran before the
+            # patches were chosen here).
+            cpu_memory.hold_tokenizers_once()
 
     def _speculative_config(self, autopilot: bool, lookups: bool) -> dict[str, Any] | None:
         config = self._config

@@ -134,9 +134,11 @@ PATCHES: tuple[Patch, ...] = (
         "cpu_embedding_memory",
         "no copies of vocabulary-sized weights that nothing reads on a CPU (the input "
         "embeddings' and a trimmed draft head's packed copies, the target head's plain one: "
-        "1.3 GiB in bf16, 2.6 GiB in float32 for the embedded pair), and the int8 target's "
-        "head in int8",
+        "1.3 GiB in bf16, 2.6 GiB in float32 for the embedded pair), the int8 target's "
+        "head in int8, and no Python copy of a tokenizer's vocabulary and merges beside its "
+        "Rust one (0.07 GB per copy of the embedded pair's tokenizer)",
         (
+            Hook("vllm.tokenizers.hf", "get_cached_tokenizer", ("tokenizer",)),
             Hook(
                 "vllm.model_executor.layers.vocab_parallel_embedding",
                 "UnquantizedEmbeddingMethod.process_weights_after_loading",

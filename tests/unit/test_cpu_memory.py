@@ -1,16 +1,19 @@
 """The cpu_embedding_memory patch on vLLM's own embedding method and CPU matmul dispatch (in a
 fresh process, as vLLM's worker loads it): input embeddings unpacked, the target's head packed
 without its plain weight, a trimmed draft's head unpacked, an untrimmed draft's as vLLM does;
-every head still multiplies as before."""
+every head still multiplies as before; a tokenizer vLLM loads keeps no Python copy of its
+vocabulary."""
 
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from server.engine import vllm_patches
+from tests.tiny_models import build_tokenizer
 
 PROBE = """
 import json
@@ -121,3 +124,53 @@ def test_without_the_patch_vllm_keeps_both_copies_of_every_one() -> None:
         "target_head": packed_and_plain,
         "draft_head": packed_and_plain,
     }
+
+
+TOKENIZER_PROBE = """
+import json
+import sys
+
+from vllm.plugins import load_general_plugins
+from vllm.tokenizers import get_tokenizer
+
+load_general_plugins()
+tokenizer = get_tokenizer(sys.argv[1])
+ids = tokenizer.encode("def fibonacci(n):\\n    return [n, n + 1]  # done")
+print(json.dumps({
+    "class": type(tokenizer).__mro__[1].__name__,
+    "holds_what_it_was_built_from": any(hasattr(tokenizer, name) for name in ("_vocab", "_merges")),
+    "ids": ids,
+    "text": tokenizer.decode(ids),
+}))
+"""
+
+
+def _tokenizer_probe(folder: Path, patches: list[str]) -> dict[str, object]:
+    environment = {**os.environ, vllm_patches.SETTINGS_ENV: json.dumps({"patches": patches})}
+    environment.pop("VLLM_PLUGINS", None)
+    done = subprocess.run(
+        [sys.executable, "-c", TOKENIZER_PROBE, str(folder)],
+        env=environment,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_a_tokenizer_vllm_loads_drops_its_python_vocabulary_and_encodes_as_before(
+    tmp_path: Path,
+) -> None:
+    # A class that, like Qwen2's, builds its Rust tokenizer from a Python vocabulary and merges.
+    build_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"})
+    )
+    trimmed = _tokenizer_probe(tmp_path, ["cpu_embedding_memory"])
+    whole = _tokenizer_probe(tmp_path, [])
+    assert trimmed["class"] == whole["class"] == "Qwen2Tokenizer"
+    assert whole["holds_what_it_was_built_from"] is True
+    assert trimmed["holds_what_it_was_built_from"] is False
+    assert trimmed["ids"] == whole["ids"] and trimmed["text"] == whole["text"]
