@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from server.engine.autopilot_feed import AutopilotFeed
-from server.engine.request_args import CALIBRATION_PREFIX
+from server.vllm_plugins.request_args import CALIBRATION_PREFIX
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from server.engine.contract import (
     TokenLogprob,
     TokenTimes,
 )
-from server.engine.request_args import MAX_DRAFT_TOKENS_ARG, TENANT_ARG
 from server.errors import EngineUnavailableError, InternalError, InvalidRequestError
+from server.vllm_plugins.request_args import MAX_DRAFT_TOKENS_ARG, TENANT_ARG
 
 
 def sampling_params(

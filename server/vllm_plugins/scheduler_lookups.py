@@ -10,7 +10,7 @@ finished reply back into its tenant's index. In auto mode lookups also answer to
 measured: at a batch size where steps verifying lookups made fewer tokens per second than
 plain steps, none are proposed until that evidence fades (end_to_end.py). Calibration
 requests, requests with logit_bias and requests that capped their drafts at 0 get no lookups.
-An exception here turns lookups off for the rest of the process (`vllm_patches.contained`);
+An exception here turns lookups off for the rest of the process (`registry.contained`);
 the draft goes on alone.
 """
 
@@ -23,8 +23,8 @@ from server.autopilot.cost_model import CostModel
 from server.autopilot.end_to_end import EndToEnd
 from server.autopilot.lookup import Lookup, Proposal
 from server.autopilot.reports import SchedulerReport, Verified
-from server.engine import vllm_patches
-from server.engine.request_args import (
+from server.vllm_plugins import registry
+from server.vllm_plugins.request_args import (
     CALIBRATION_PREFIX,
     TENANT_ARG,
     draft_cap,
@@ -66,7 +66,7 @@ class SchedulerLookups:
     def max_tokens(self) -> int:
         return self._lookup.max_tokens
 
-    @vllm_patches.contained("lookup", _none)
+    @registry.contained("lookup", _none)
     def propose(
         self, running: Iterable[Any], validate: Callable[[Any, list[int]], list[int]]
     ) -> dict[str, Proposal]:
@@ -136,7 +136,7 @@ class SchedulerLookups:
         if self._veto is not None:
             self._veto.observe(batch, tokens, seconds, trying=looked_up)
 
-    @vllm_patches.contained("lookup", _nothing)
+    @registry.contained("lookup", _nothing)
     def finished(self, request: Any) -> None:
         """A request left the engine: its reply joins its tenant's index (calibration's
         requests have no tenant)."""

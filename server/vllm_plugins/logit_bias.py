@@ -22,7 +22,7 @@ logits processor, LogitBias included. Two narrow patches make that reachable:
   engine enabled the patch): `build_logitsprocs` adds the LogitBias processor
   to what vLLM builds under speculation.
 
-Both only where `vllm_patches` finds what they patch (and the autopilot's
+Both only where `registry` finds what they patch (and the autopilot's
 scheduler runs); otherwise vLLM's refusal stays in place. Neither is contained:
 a builder that failed would leave a bias accepted and not applied.
 """
@@ -30,7 +30,7 @@ a builder that failed would leave a bias accepted and not applied.
 import copy
 from typing import Any
 
-from server.engine import vllm_patches
+from server.vllm_plugins import registry
 
 
 def allow_in_request_checks() -> None:
@@ -38,7 +38,7 @@ def allow_in_request_checks() -> None:
     from vllm.sampling_params import SamplingParams
 
     original = SamplingParams._validate_spec_decode
-    if vllm_patches.is_replaced(original):
+    if registry.is_replaced(original):
         return
 
     def validate_spec_decode(self: Any, speculative_config: Any) -> None:
@@ -46,21 +46,21 @@ def allow_in_request_checks() -> None:
         without_bias.logit_bias = None
         original(without_bias, speculative_config)
 
-    vllm_patches.mark(validate_spec_decode, original)
+    registry.mark(validate_spec_decode, original)
     SamplingParams._validate_spec_decode = validate_spec_decode  # type: ignore[method-assign]
 
 
 def install() -> None:
     """`vllm.general_plugins` hook: build the LogitBias processor under speculation too,
     in engine processes where specserve enabled the patch."""
-    if not vllm_patches.enabled("logit_bias"):
+    if not registry.enabled("logit_bias"):
         return
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
     from vllm.v1.worker import gpu_model_runner
 
     original = gpu_model_runner.build_logitsprocs
-    if vllm_patches.is_replaced(original):
+    if registry.is_replaced(original):
         return
 
     def build_logitsprocs(
@@ -78,5 +78,5 @@ def install() -> None:
         bias = LogitBiasLogitsProcessor(vllm_config, device, is_pin_memory)
         return LogitsProcessors([*processors.all, bias])
 
-    vllm_patches.mark(build_logitsprocs, original)
+    registry.mark(build_logitsprocs, original)
     gpu_model_runner.build_logitsprocs = build_logitsprocs

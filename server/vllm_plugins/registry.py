@@ -35,8 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from server.engine.autopilot_report import Reporter
-from server.engine.vllm_source import Hook, Source, check_hook
+from server.vllm_plugins.autopilot_report import Reporter
+from server.vllm_plugins.vllm_source import Hook, Source, check_hook
 
 logger = logging.getLogger(__name__)
 

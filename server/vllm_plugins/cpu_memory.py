@@ -31,7 +31,7 @@ on a CPU").
 import logging
 from typing import Any
 
-from server.engine import vllm_patches
+from server.vllm_plugins import registry
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +41,12 @@ TARGET_TAG = "backbone"
 
 def install() -> None:
     """`vllm.general_plugins` hook: each vocabulary-sized weight held once, where enabled."""
-    if not vllm_patches.enabled("cpu_embedding_memory"):
+    if not registry.enabled("cpu_embedding_memory"):
         return
     from vllm.model_executor.layers import vocab_parallel_embedding as embedding
 
     method = embedding.UnquantizedEmbeddingMethod
-    if vllm_patches.is_replaced(method.process_weights_after_loading):
+    if registry.is_replaced(method.process_weights_after_loading):
         return
     original = method.process_weights_after_loading
 
@@ -56,16 +56,16 @@ def install() -> None:
 
         if not isinstance(layer, embedding.ParallelLMHead):  # an input embedding
             _unpacked(layer)
-        elif backends.model_tag == TARGET_TAG and vllm_patches.settings().get("int8_head"):
+        elif backends.model_tag == TARGET_TAG and registry.settings().get("int8_head"):
             _int8_head(layer)
         elif backends.model_tag == TARGET_TAG:
             dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
-        elif vllm_patches.enabled("draft_vocab"):  # the draft's head, read by the trimmed head
+        elif registry.enabled("draft_vocab"):  # the draft's head, read by the trimmed head
             _unpacked(layer)
         else:
             original(self, layer)
 
-    vllm_patches.mark(process_weights_after_loading, original)
+    registry.mark(process_weights_after_loading, original)
     method.process_weights_after_loading = process_weights_after_loading  # type: ignore[method-assign]
 
 

@@ -22,27 +22,27 @@ proposal, and an exception hands it back to vLLM for the rest of the process.
 import logging
 from typing import Any
 
-from server.engine import vllm_patches
-from server.engine.autopilot_report import Reporter
+from server.vllm_plugins import registry
+from server.vllm_plugins.autopilot_report import Reporter
 
 logger = logging.getLogger(__name__)
 
 
 def install() -> None:
     """`vllm.general_plugins` hook: patch the draft's greedy proposal where enabled."""
-    if not vllm_patches.enabled("draft_vocab"):
+    if not registry.enabled("draft_vocab"):
         return
     from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
-    if vllm_patches.is_replaced(DraftModelProposer._greedy_sample):
+    if registry.is_replaced(DraftModelProposer._greedy_sample):
         return
     original = DraftModelProposer._greedy_sample
-    settings = vllm_patches.settings()["draft_vocab"]
+    settings = registry.settings()["draft_vocab"]
 
     def vllms_own(proposer: Any, hidden_states: Any) -> Any:
         return original(proposer, hidden_states)
 
-    guarded = vllm_patches.contained("draft_vocab", vllms_own)(_greedy_sample)
+    guarded = registry.contained("draft_vocab", vllms_own)(_greedy_sample)
 
     def greedy_sample(self: Any, hidden_states: Any) -> Any:
         head = getattr(self, "specserve_head", None)
@@ -54,7 +54,7 @@ def install() -> None:
             return original(self, hidden_states)
         return guarded(self, hidden_states)
 
-    vllm_patches.mark(greedy_sample, original)
+    registry.mark(greedy_sample, original)
     DraftModelProposer._greedy_sample = greedy_sample  # type: ignore[method-assign]
 
 
@@ -83,7 +83,7 @@ class _TrimmedHead:
         self.extras: dict[str, tuple[int, set[int]]] = {}
         self.proposals_made = 0
         self.own_proposals = 0  # proposals of a request's own ids outside `kept`
-        self._reporter = Reporter("draft_head", vllm_patches.report_socket())
+        self._reporter = Reporter("draft_head", registry.report_socket())
         self._report()
 
     def _report(self) -> None:
@@ -114,9 +114,7 @@ class _TrimmedHead:
             why = "its head is quantized"
         if why is not None:
             logger.warning("draft head kept whole: %s", why)
-            Reporter("draft_head", vllm_patches.report_socket()).send(
-                {"draft_head": f"whole: {why}"}
-            )
+            Reporter("draft_head", registry.report_socket()).send({"draft_head": f"whole: {why}"})
             return False
         vocab = model.logits_processor.org_vocab_size
         kept = [t for t in draft_vocab.load(Path(ranking), size) if t < vocab]

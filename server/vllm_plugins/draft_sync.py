@@ -19,7 +19,7 @@ with speculation off still pays for the draft. Here, in the worker process:
 The target verifies every draft token, so a stale draft could only lower
 acceptance, never change the output. Forward passes and caught-up tokens are
 counted and reported to the front end. `install()` patches vLLM's classes once
-per process where the engine enabled the patch (`vllm_patches`, which checked its
+per process where the engine enabled the patch (`registry`, which checked its
 hooks); an exception in the catch-up hands the draft back to vLLM's own code
 (it then runs at K=0 again) for the rest of the process.
 """
@@ -30,8 +30,8 @@ from dataclasses import replace
 from typing import Any
 
 from server.autopilot.reports import DraftReport
-from server.engine import vllm_patches
-from server.engine.autopilot_report import Reporter
+from server.vllm_plugins import registry
+from server.vllm_plugins.autopilot_report import Reporter
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class DraftSync:
         self.caught_up_tokens = 0
         self.catch_up_passes = 0
         self.skipped_steps = 0
-        self._reporter = Reporter("draft", vllm_patches.report_socket())
+        self._reporter = Reporter("draft", registry.report_socket())
 
     def report(self) -> None:
         report: DraftReport = {
@@ -62,12 +62,12 @@ class DraftSync:
 def install() -> None:
     """`vllm.general_plugins` hook: patch the draft-model proposer and the runner method
     that feeds it the batch, in engine processes where specserve enabled the patch."""
-    if not vllm_patches.enabled("draft_idle"):
+    if not registry.enabled("draft_idle"):
         return
     from vllm.v1.spec_decode.draft_model import DraftModelProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    if vllm_patches.is_replaced(DraftModelProposer.propose):
+    if registry.is_replaced(DraftModelProposer.propose):
         return
     original_propose = DraftModelProposer.propose
     original_hook = GPUModelRunner.propose_draft_token_ids
@@ -83,14 +83,14 @@ def install() -> None:
     def vllms_own(proposer: Any, original: Any, values: dict[str, Any]) -> Any:
         return original(**values)
 
-    guarded = vllm_patches.contained("draft_idle", vllms_own)(_propose)
+    guarded = registry.contained("draft_idle", vllms_own)(_propose)
 
     def propose(self: Any, *args: Any, **kwargs: Any) -> Any:
         arguments = signature.bind(self, *args, **kwargs).arguments
         return guarded(self, original_propose, arguments)
 
-    vllm_patches.mark(propose, original_propose)
-    vllm_patches.mark(propose_draft_token_ids, original_hook)
+    registry.mark(propose, original_propose)
+    registry.mark(propose_draft_token_ids, original_hook)
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids  # type: ignore[method-assign]
     DraftModelProposer.propose = propose  # type: ignore[method-assign]
 
@@ -181,7 +181,7 @@ def _catch_up(
 ) -> None:
     """One draft forward pass over the positions each request missed while
     the draft idled, bounded by the proposer's token buffers."""
-    vllm_patches.fault_point("draft_catch_up")
+    registry.fault_point("draft_catch_up")
     import numpy as np
     import torch
     from vllm.forward_context import set_forward_context
