@@ -363,7 +363,7 @@ class VllmEngine:
     def _start_patches(self, patches: list[str]) -> None:
         """What vLLM's processes need to know, in the one channel they read (set before they
         spawn); vLLM's refusal of logit_bias with speculation lifted in this process."""
-        from server.vllm_plugins import logit_bias
+        from server.engine import logit_bias
 
         config = self._config
         settings: dict[str, Any] = {"patches": patches}

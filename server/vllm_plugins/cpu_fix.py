@@ -35,8 +35,8 @@ import logging
 from importlib import metadata
 from typing import Any
 
-from server.engine.hardware import read_cpu_flags
 from server.vllm_plugins import registry
+from server.vllm_plugins.cpu_flags import read_cpu_flags
 
 logger = logging.getLogger(__name__)
 

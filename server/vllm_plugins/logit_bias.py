@@ -1,4 +1,4 @@
-"""OpenAI's `logit_bias` with speculation on (vLLM glue).
+"""OpenAI's `logit_bias` with speculation on (vLLM glue; this module: the worker's half).
 
 vLLM 0.32 refuses `logit_bias` whenever speculation is configured: the
 rejection sampler does not add the bias to the target's logits at verified
@@ -15,10 +15,11 @@ sampler runs even at K=0, but a row without drafts gets its "bonus" token,
 drawn by vLLM's plain `Sampler`, which applies every non-argmax-invariant
 logits processor, LogitBias included. Two narrow patches make that reachable:
 
-- `allow_in_request_checks()` (front-end process, called by the engine):
-  vLLM's spec-decode check runs as before on a copy without `logit_bias`,
-  so `min_p` and whatever else vLLM refuses there stays refused;
-- `install()` (`vllm.general_plugins` entry point, worker process, where the
+- `allow_in_request_checks()` (API process, called by the engine; in
+  engine/logit_bias.py, since it runs there): vLLM's spec-decode check runs as
+  before on a copy without `logit_bias`, so `min_p` and whatever else vLLM
+  refuses there stays refused;
+- `install()` here (`vllm.general_plugins` entry point, worker process, where the
   engine enabled the patch): `build_logitsprocs` adds the LogitBias processor
   to what vLLM builds under speculation.
 
@@ -27,27 +28,9 @@ scheduler runs); otherwise vLLM's refusal stays in place. Neither is contained:
 a builder that failed would leave a bias accepted and not applied.
 """
 
-import copy
 from typing import Any
 
 from server.vllm_plugins import registry
-
-
-def allow_in_request_checks() -> None:
-    """Let vLLM's request checks in this process pass `logit_bias` with speculation."""
-    from vllm.sampling_params import SamplingParams
-
-    original = SamplingParams._validate_spec_decode
-    if registry.is_replaced(original):
-        return
-
-    def validate_spec_decode(self: Any, speculative_config: Any) -> None:
-        without_bias = copy.copy(self)
-        without_bias.logit_bias = None
-        original(without_bias, speculative_config)
-
-    registry.mark(validate_spec_decode, original)
-    SamplingParams._validate_spec_decode = validate_spec_decode  # type: ignore[method-assign]
 
 
 def install() -> None:

@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
+from server.engine import logit_bias as request_checks
 from server.engine.contract import SamplingOptions
 from server.engine.vllm_outputs import sampling_params
 from server.protocol.common import MAX_LOGIT_BIAS
@@ -141,8 +142,8 @@ def test_the_request_check_lets_logit_bias_through_and_still_refuses_min_p(
     biased = SamplingParams(max_tokens=4, logit_bias={5: -100.0})
     with pytest.raises(VLLMValidationError):
         biased._validate_spec_decode(speculative_config)
-    logit_bias.allow_in_request_checks()
-    logit_bias.allow_in_request_checks()  # once per process, however often engines start
+    request_checks.allow_in_request_checks()
+    request_checks.allow_in_request_checks()  # once per process, however often engines start
     biased._validate_spec_decode(speculative_config)
     assert biased.logit_bias == {5: -100.0}
     with pytest.raises(VLLMValidationError, match="min_p"):
