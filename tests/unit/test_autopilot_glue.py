@@ -20,7 +20,7 @@ from server.autopilot.lookup import Proposal
 from server.autopilot.reports import Verified
 from server.engine.autopilot_feed import AutopilotFeed
 from server.engine.vllm_engine import EngineConfig, VllmEngine
-from server.vllm_plugins import autopilot_scheduler, registry, request_args, vllm_source
+from server.vllm_plugins import autopilot_scheduler, patching, registry, request_args, vllm_source
 from server.vllm_plugins.autopilot_report import Reporter
 from server.vllm_plugins.scheduler_lookups import SchedulerLookups
 
@@ -79,8 +79,8 @@ async def test_reports_reach_the_metrics_as_counter_growth(
 
 def test_a_report_without_a_listener_is_kept_for_later(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = {"report_socket": "/nonexistent/specserve.sock"}
-    monkeypatch.setenv(registry.SETTINGS_ENV, json.dumps(settings))
-    reporter = Reporter("draft", registry.report_socket())
+    monkeypatch.setenv(patching.SETTINGS_ENV, json.dumps(settings))
+    reporter = Reporter("draft", patching.report_socket())
     reporter.send({"draft_forward_passes": 1})
     assert reporter._unsent is not None
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from server.vllm_plugins import registry
+from server.vllm_plugins import patching
 
 PROBE = """
 import json
@@ -64,7 +64,7 @@ def _probe(patches: list[str], int8_head: bool = False) -> dict[str, dict[str, b
     settings: dict[str, object] = {"patches": patches, "int8_head": int8_head}
     if "draft_vocab" in patches:
         settings["draft_vocab"] = {"ranking": "unused", "size": 1024}
-    environment = {**os.environ, registry.SETTINGS_ENV: json.dumps(settings)}
+    environment = {**os.environ, patching.SETTINGS_ENV: json.dumps(settings)}
     environment.pop("VLLM_PLUGINS", None)
     done = subprocess.run(
         [sys.executable, "-c", PROBE], env=environment, capture_output=True, text=True, check=True

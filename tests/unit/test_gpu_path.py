@@ -21,9 +21,9 @@ from server.config import ConfigError, Settings
 from server.engine import resolve, vllm_engine
 from server.engine.contract import SamplingOptions
 from server.engine.hardware import choose_draft_quantization
-from server.engine.vllm_engine import AUTOPILOT_SCHEDULER, EngineConfig, VllmEngine
+from server.engine.vllm_engine import EngineConfig, VllmEngine
 from server.errors import InvalidRequestError
-from server.vllm_plugins import registry, vllm_source
+from server.vllm_plugins import autopilot_patch, patching, registry, vllm_source
 
 HUB_PAIR = {"model": "org/target", "draft_model": "org/draft"}
 
@@ -150,7 +150,7 @@ def test_the_gpu_default_loads_no_specserve_patch_in_vllms_processes() -> None:
     plugin loads (as vLLM loads them) and replaces nothing."""
     engine = VllmEngine(_gpu_config())
     engine._start_patches([])
-    settings = os.environ.pop(registry.SETTINGS_ENV)
+    settings = os.environ.pop(patching.SETTINGS_ENV)
     assert json.loads(settings) == {"patches": []}
     plugins = [e.name for e in entry_points(group="vllm.general_plugins")]
     assert len([p for p in plugins if p.startswith("specserve_")]) == 7
@@ -161,7 +161,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 from vllm.v1.worker import gpu_model_runner
-from server.vllm_plugins.registry import is_replaced
+from server.vllm_plugins.patching import is_replaced
 hooked = {
     "SamplingParams._validate_spec_decode": SamplingParams._validate_spec_decode,
     "DraftModelProposer.propose": DraftModelProposer.propose,
@@ -174,7 +174,7 @@ hooked = {
 }
 print(sorted(name for name, function in hooked.items() if is_replaced(function)))
 """
-    environment = {**os.environ, registry.SETTINGS_ENV: settings}
+    environment = {**os.environ, patching.SETTINGS_ENV: settings}
     environment.pop("VLLM_PLUGINS", None)
     done = subprocess.run(
         [sys.executable, "-c", probe], env=environment, capture_output=True, text=True, check=True
@@ -184,7 +184,7 @@ print(sorted(name for name, function in hooked.items() if is_replaced(function))
     on = json.dumps({"patches": ["draft_idle", "seeded_sampling"]})
     done = subprocess.run(
         [sys.executable, "-c", probe],
-        env={**environment, registry.SETTINGS_ENV: on},
+        env={**environment, patching.SETTINGS_ENV: on},
         capture_output=True,
         text=True,
         check=True,
@@ -206,7 +206,7 @@ def test_the_opt_in_sets_synchronous_scheduling_and_pins_the_v1_runner(
     patches = engine._usable_patches()
     assert {"autopilot", "lookup", "draft_idle", "logit_bias", "seeded_sampling"} <= set(patches)
     args = engine._engine_args(patches, "auto")
-    assert args.scheduler_cls == AUTOPILOT_SCHEDULER
+    assert args.scheduler_cls == autopilot_patch.SCHEDULER_CLASS
     assert args.async_scheduling is False
     vllm_config = V033Config(async_scheduling=args.async_scheduling)
     kept, line = registry.fit_model_runner(vllm_config, patches)

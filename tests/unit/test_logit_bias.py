@@ -12,7 +12,7 @@ from server.engine import logit_bias as request_checks
 from server.engine.contract import SamplingOptions
 from server.engine.vllm_outputs import sampling_params
 from server.protocol.common import MAX_LOGIT_BIAS
-from server.vllm_plugins import autopilot_scheduler, logit_bias, registry, vllm_source
+from server.vllm_plugins import autopilot_scheduler, logit_bias, patching, registry, vllm_source
 from tests.patch_probes import original_of
 from tests.unit.scripted_engine import ScriptedEngine
 
@@ -150,7 +150,7 @@ def test_the_request_check_lets_logit_bias_through_and_still_refuses_min_p(
         SamplingParams(max_tokens=4, min_p=0.1, logit_bias={5: 1.0})._validate_spec_decode(
             speculative_config
         )
-    assert registry.is_replaced(SamplingParams._validate_spec_decode)
+    assert patching.is_replaced(SamplingParams._validate_spec_decode)
 
 
 def test_the_worker_builds_the_logit_bias_processor_under_speculation(
@@ -171,10 +171,10 @@ def test_the_worker_builds_the_logit_bias_processor_under_speculation(
         return [type(p) for p in processors.non_argmax_invariant]
 
     assert LogitBiasLogitsProcessor not in built(object())  # vLLM's own choice
-    monkeypatch.delenv(registry.SETTINGS_ENV, raising=False)
+    monkeypatch.delenv(patching.SETTINGS_ENV, raising=False)
     logit_bias.install()  # a process specserve did not start: left alone
     assert LogitBiasLogitsProcessor not in built(object())
-    monkeypatch.setenv(registry.SETTINGS_ENV, json.dumps({"patches": ["logit_bias"]}))
+    monkeypatch.setenv(patching.SETTINGS_ENV, json.dumps({"patches": ["logit_bias"]}))
     logit_bias.install()
     logit_bias.install()
     assert built(object()).count(LogitBiasLogitsProcessor) == 1

@@ -1,16 +1,19 @@
 """The vLLM patch registry without an engine: the source checker, the patches against the
 installed vLLM, containment of a failing patch, fault points and the model runner choice."""
 
+import importlib
 import json
 import logging
 import os
+import tomllib
+from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
 
 from server.engine.autopilot_feed import AutopilotFeed
-from server.vllm_plugins import registry, vllm_source
+from server.vllm_plugins import autopilot_patch, patching, registry, vllm_source
 from server.vllm_plugins.vllm_source import Hook, check_hook
 from tests.patch_probes import failed
 
@@ -68,6 +71,19 @@ def test_every_patch_finds_its_hooks_in_the_installed_vllm() -> None:
     assert check_hook(source, registry.RUNNER_CHOICE) == []
 
 
+def test_what_vllm_loads_by_name_resolves_to_our_code() -> None:
+    """The plugins pyproject.toml declares (an install copies these names, and a wrong one
+    fails only inside vLLM's processes) and the scheduler class the engine names."""
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    declared = tomllib.loads(pyproject.read_text())["project"]["entry-points"]
+    plugins = declared["vllm.general_plugins"]
+    assert {patch.plugin for patch in registry.PATCHES if patch.plugin} <= set(plugins)
+    targets = [target.split(":") for target in plugins.values()]
+    targets.append(autopilot_patch.SCHEDULER_CLASS.rsplit(".", 1))
+    for module, name in targets:
+        assert callable(getattr(importlib.import_module(module), name))
+
+
 def test_a_missing_hook_turns_its_patch_and_those_needing_it_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -91,15 +107,15 @@ async def test_a_failing_patch_hands_over_to_vllm_logs_once_and_is_counted(
 ) -> None:
     feed = AutopilotFeed("patch-model")
     feed.start()
-    monkeypatch.setenv(registry.SETTINGS_ENV, json.dumps({"report_socket": feed.path}))
-    monkeypatch.setattr(registry, "_failed", set())
+    monkeypatch.setenv(patching.SETTINGS_ENV, json.dumps({"report_socket": feed.path}))
+    monkeypatch.setattr(patching, "_failed", set())
     calls: list[str] = []
 
     def vllms_own(value: int) -> int:
         calls.append("vllm")
         return value
 
-    @registry.contained("draft_idle", vllms_own)
+    @patching.contained(registry.BY_NAME["draft_idle"], vllms_own)
     def patched(value: int) -> int:
         calls.append("patch")
         if value < 0:
@@ -123,14 +139,14 @@ async def test_a_failing_patch_hands_over_to_vllm_logs_once_and_is_counted(
 
 
 def test_a_fault_point_raises_once_where_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(registry, "_injected", set())
-    monkeypatch.setattr(registry, "_fault_at", None)
-    registry.fault_point("draft_catch_up")  # not named: nothing
-    monkeypatch.setattr(registry, "_fault_at", "draft_catch_up")  # FAULT_ENV at import
-    registry.fault_point("elsewhere")
+    monkeypatch.setattr(patching, "_injected", set())
+    monkeypatch.setattr(patching, "_fault_at", None)
+    patching.fault_point("draft_catch_up")  # not named: nothing
+    monkeypatch.setattr(patching, "_fault_at", "draft_catch_up")  # FAULT_ENV at import
+    patching.fault_point("elsewhere")
     with pytest.raises(RuntimeError, match="injected fault at draft_catch_up"):
-        registry.fault_point("draft_catch_up")
-    registry.fault_point("draft_catch_up")
+        patching.fault_point("draft_catch_up")
+    patching.fault_point("draft_catch_up")
 
 
 class _Config:
