@@ -1,4 +1,5 @@
-"""The front end's view of the speculation autopilot, fed by the engine processes.
+"""The front end's view of the speculation autopilot, fed by the engine processes (API
+process).
 
 Binds the Unix datagram socket that `server.vllm_plugins.autopilot_report` sends to,
 keeps the latest cumulative report of each source (the scheduler, the draft

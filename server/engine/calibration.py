@@ -1,5 +1,6 @@
-"""The autopilot's startup calibration: requests that drive the scheduler through every K at
-one request and at four, so the cost model has this machine's step times before traffic comes.
+"""The autopilot's startup calibration (API process): requests that drive the scheduler through
+every K at one request and at four, so the cost model has this machine's step times before
+traffic comes.
 """
 
 import asyncio

@@ -1,4 +1,5 @@
-"""The vLLM adapter: the engine contract (`engine/contract.py`) on an in-process `AsyncLLM` (v1).
+"""The vLLM adapter: the engine contract (`engine/contract.py`) on an in-process `AsyncLLM` (v1),
+in the API process.
 
 Builds it with draft-model or n-gram speculation, a per-batch-size speculation schedule,
 per-request speculation metrics and the vLLM patches that can apply, sets up the CPU runtime

@@ -1,4 +1,5 @@
-"""Speculation reports from vLLM's engine processes to specserve's front end.
+"""Speculation reports from vLLM's engine processes to specserve's front end (the sending
+side, in EngineCore and the workers).
 
 The scheduler (EngineCore process) and the draft proposer (worker process)
 run outside the front end, which owns /metrics. Each sends its cumulative

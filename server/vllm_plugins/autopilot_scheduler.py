@@ -25,7 +25,9 @@ every mode a step holding a request with `logit_bias` runs at K=0
 extra_args, `request_args.MAX_DRAFT_TOKENS_ARG`) caps its drafts: a step whose requests all
 ask for none idles the draft. The policy itself is
 pure and imports no vLLM. An exception in this glue turns speculation off for
-the rest of the run (`patching.contained`) instead of killing the engine.
+the rest of the run (`patching.contained`) instead of killing the engine. The patch's
+declaration and this class's name are in autopilot_patch.py (this module imports vLLM as it
+loads; the API process never imports it).
 """
 
 import itertools

@@ -5,7 +5,7 @@ vllm on GPU hosts). The build installed here is read from its installed files;
 the other one from its wheel, downloaded once with pip (no dependencies, no
 GPU needed: only the source is read) into the cache folder. Prints each
 build's version and each patch's status; exits 1 if a patch lacks anything or
-the installed build is not its pin.
+the installed build is not its pin. Runs as its own process, never inside the server.
 
     .venv/bin/python -m server.vllm_plugins.check_vllm
 """

@@ -28,7 +28,8 @@ The quantized layers' kernels (`CPUInt8ScaledMMLinearKernel` asks `check_cpu_sgl
 `register_expand_fix()` and `register_quantized_kernel_choice()` are `vllm.general_plugins` entry
 points, which vLLM calls in the front-end, EngineCore and worker processes before the CPU
 platform registers its kernel overrides; each applies its correction only on the one release
-it was measured on.
+it was measured on. Declares both patches for the registry (`CPU_EXPAND_FIX`,
+`CPU_QUANTIZED_KERNELS`).
 """
 
 import logging

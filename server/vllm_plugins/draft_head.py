@@ -17,6 +17,7 @@ patches the proposer once per process where the engine enabled the patch (it bui
 on `draft_idle`, which hands the proposer the runner's input batch); a head this
 cannot trim (a bias, a quantized head, vLLM's vocabulary mapping) keeps vLLM's
 proposal, and an exception hands it back to vLLM for the rest of the process.
+`DRAFT_VOCAB` declares the patch for the registry.
 """
 
 import logging

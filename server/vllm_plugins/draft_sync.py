@@ -21,7 +21,8 @@ acceptance, never change the output. Forward passes and caught-up tokens are
 counted and reported to the front end. `install()` patches vLLM's classes once
 per process where the engine enabled the patch (`registry`, which checked its
 hooks); an exception in the catch-up hands the draft back to vLLM's own code
-(it then runs at K=0 again) for the rest of the process.
+(it then runs at K=0 again) for the rest of the process. `DRAFT_IDLE` declares the
+patch for the registry.
 """
 
 import inspect

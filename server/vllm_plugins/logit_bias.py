@@ -25,7 +25,8 @@ logits processor, LogitBias included. Two narrow patches make that reachable:
 
 Both only where `registry` finds what they patch (and the autopilot's
 scheduler runs); otherwise vLLM's refusal stays in place. Neither is contained:
-a builder that failed would leave a bias accepted and not applied.
+a builder that failed would leave a bias accepted and not applied. `LOGIT_BIAS`
+declares the patch, both halves' hooks, for the registry.
 """
 
 from typing import Any

@@ -11,7 +11,7 @@ measured: at a batch size where steps verifying lookups made fewer tokens per se
 plain steps, none are proposed until that evidence fades (end_to_end.py). Calibration
 requests, requests with logit_bias and requests that capped their drafts at 0 get no lookups.
 An exception here turns lookups off for the rest of the process (`patching.contained`);
-the draft goes on alone.
+the draft goes on alone. `LOOKUP` declares the patch for the registry.
 """
 
 import time

@@ -27,7 +27,7 @@ Unseeded and greedy requests are untouched.
 `install()` is a `vllm.general_plugins` entry point, active in engine processes
 where the engine enabled the patch (`registry`, which checked its hooks);
 an exception in it hands sampling back to vLLM's own code for the rest of the
-process.
+process. `SEEDED_SAMPLING` declares the patch for the registry.
 """
 
 import hashlib
