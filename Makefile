@@ -67,7 +67,7 @@ lint: install
 
 # specserve's vLLM patches against both pinned vLLM builds (docs/development.md).
 check-vllm: install
-	$(BIN)/python -m server.engine.check_vllm
+	$(BIN)/python -m server.vllm_plugins.check_vllm
 
 test: models tools lint check-vllm
 	$(BIN)/pytest

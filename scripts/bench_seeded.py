@@ -3,7 +3,7 @@
 Starts `specserve serve` (flags after `--`), then for each temperature and
 prompt sends one seeded and one unseeded chat request per round, alternating
 which goes first (ABBA), one request at a time. A seeded request takes
-server/engine/seeded_sampling.py's path (noise keyed by position, drafts
+server/vllm_plugins/seeded_sampling.py's path (noise keyed by position, drafts
 accepted where they equal the target's keyed choice); an unseeded one vLLM's
 rejection sampler. Rounds go in pairs sharing a seed, each pair another one:
 the pair's two replies, at different places in the order, must be the same

@@ -30,10 +30,10 @@ from typing import Any
 
 from loadtest.workloads import BUNDLED
 from server.config import Settings
-from server.engine import vllm_patches
 from server.engine.hardware import choose_dtype
 from server.engine.resolve import prepare_target
 from server.engine.runtime import configure_cpu_runtime
+from server.vllm_plugins import patching
 from server.weights import embedded
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -162,9 +162,9 @@ def main() -> None:
         target = embedded.pull(settings.cache_dir, embedded.TARGET)
         plan = prepare_target(settings, str(target))
         # As the server loads the target on a CPU: vocabulary-sized weights held once and,
-        # for int8, the output head in int8 (server/engine/cpu_memory.py).
+        # for int8, the output head in int8 (server/vllm_plugins/cpu_memory.py).
         served = {"patches": ["cpu_embedding_memory"], "int8_head": plan.int8_head}
-        os.environ[vllm_patches.SETTINGS_ENV] = json.dumps(served)
+        os.environ[patching.SETTINGS_ENV] = json.dumps(served)
         result = _measure(plan.model, args.max_tokens, args.text_tokens)
         (args.out / f"{args.worker}.json").write_text(json.dumps(result))
         return

@@ -203,7 +203,7 @@ LOOKUP_INDEX_TOKENS = Gauge(
 VLLM_PATCH_FAILURES = Counter(
     "specserve_vllm_patch_failures_total",
     "Engine processes where a specserve patch of vLLM raised and was handed back to vLLM's "
-    "own code for the rest of the run (server/engine/vllm_patches.py)",
+    "own code for the rest of the run (server/vllm_plugins/registry.py)",
     ["model", "patch"],
 )
 

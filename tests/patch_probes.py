@@ -1,17 +1,17 @@
-"""What tests read about specserve's vLLM patches in their own process (server/engine/
-vllm_patches.py): what a replacement replaced, and whether a contained patch has failed."""
+"""What tests read about specserve's vLLM patches in their own process (server/vllm_plugins/
+patching.py): what a replacement replaced, and whether a contained patch has failed."""
 
 from collections.abc import Callable
 from typing import Any
 
-from server.engine import vllm_patches
+from server.vllm_plugins import patching
 
 
 def original_of(function: Callable[..., Any]) -> Callable[..., Any]:
     """vLLM's own function behind a replacement (the function itself if not replaced)."""
-    return getattr(function, vllm_patches.MARKER, function)
+    return getattr(function, patching.MARKER, function)
 
 
 def failed(patch: str) -> bool:
     """Whether the patch failed in this process (its path is vLLM's own since)."""
-    return patch in vllm_patches._failed
+    return patch in patching._failed

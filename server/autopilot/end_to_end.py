@@ -1,7 +1,7 @@
 """End to end at one batch size: output tokens per second of the steps that do extra work
 (speculating, or verifying lookups) against plain steps, each side decayed. The one measure that
 sees everything the extra work costs: the controller (policy.py) stops speculation by it, the
-scheduler's lookups (server/engine/scheduler_lookups.py) stop lookups by it. Stdlib only.
+scheduler's lookups (server/vllm_plugins/scheduler_lookups.py) stop lookups by it. Stdlib only.
 """
 
 from dataclasses import dataclass

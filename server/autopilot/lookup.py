@@ -9,7 +9,7 @@ against the draft model's proposal for the same request and price how many of it
 worth verifying. Replies are indexed per tenant, in one index bounded in tokens over all tenants
 (oldest reply evicted first): no tenant is ever proposed another tenant's text.
 
-Stdlib only; the autopilot's scheduler (server/engine/autopilot_scheduler.py) asks it for each
+Stdlib only; the autopilot's scheduler (server/vllm_plugins/autopilot_scheduler.py) asks it for each
 decoding request's proposal every step and hands it each finished reply.
 """
 

@@ -7,7 +7,8 @@ requests' prompts included (0 when speculation does not pay, or when the request
 draft's catch-up is paid back), per-request caps on verified drafts, the startup calibration
 cycle, forgetting what a batch size measured when its steps change pace (a neighbour on the
 cores came or went), and the probes that keep a stale "off" from lasting forever. Stdlib only:
-the vLLM glue (server/engine/autopilot_scheduler.py) feeds it measurements and applies Decisions.
+the vLLM glue (server/vllm_plugins/autopilot_scheduler.py) feeds it measurements and applies
+Decisions.
 """
 
 from collections import deque

@@ -1,6 +1,6 @@
 """The reports vLLM's engine processes send the front end, typed once for both ends: the
-scheduler's (server/engine/autopilot_scheduler.py) and the draft worker's
-(server/engine/draft_sync.py) as sent, and as the feed (feed.py) reads them. Totals are
+scheduler's (server/vllm_plugins/autopilot_scheduler.py) and the draft worker's
+(server/vllm_plugins/draft_sync.py) as sent, and as the feed (feed.py) reads them. Totals are
 cumulative since the process started; each datagram also carries its `source`.
 """
 

@@ -1,6 +1,7 @@
-"""The front end's view of the speculation autopilot, fed by the engine processes.
+"""The front end's view of the speculation autopilot, fed by the engine processes (API
+process).
 
-Binds the Unix datagram socket that `server.engine.autopilot_report` sends to,
+Binds the Unix datagram socket that `server.vllm_plugins.autopilot_report` sends to,
 keeps the latest cumulative report of each source (the scheduler, the draft
 worker, each engine process's failed vLLM patches), and turns them into the
 autopilot's Prometheus series. Serving code asks it which K=0 reasons applied

@@ -1,5 +1,6 @@
-"""The autopilot's startup calibration: requests that drive the scheduler through every K at
-one request and at four, so the cost model has this machine's step times before traffic comes.
+"""The autopilot's startup calibration (API process): requests that drive the scheduler through
+every K at one request and at four, so the cost model has this machine's step times before
+traffic comes.
 """
 
 import asyncio
@@ -9,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from server.engine.autopilot_feed import AutopilotFeed
-from server.engine.request_args import CALIBRATION_PREFIX
+from server.vllm_plugins.request_args import CALIBRATION_PREFIX
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
-"""Checks run before any weights load: draft/target compatibility, context
-length and the KV cache size.
+"""Checks run before any weights load (API process): draft/target compatibility,
+context length and the KV cache size.
 
 Speculation verifies draft token ids against the target, so both models must
 share one tokenizer: same vocabulary and the same special tokens. A mismatch

@@ -1,4 +1,4 @@
-"""The narrow engine contract the HTTP layer depends on.
+"""The narrow engine contract the HTTP layer depends on (API process).
 
 Everything the serving code needs from an inference engine is here: token
 counts, chat and fill-in-the-middle rendering (so limits are checked before

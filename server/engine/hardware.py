@@ -1,4 +1,4 @@
-"""What the engine runs in, chosen for the hardware it runs on.
+"""What the engine runs in, chosen for the hardware it runs on (API process).
 
 Owns the `auto` decisions. `--dtype`: on a GPU the model's own dtype (vLLM's
 "auto"); on a CPU bfloat16 only where the CPU multiplies bf16 natively
@@ -8,17 +8,18 @@ verifying K+1 draft tokens costs about twice one). `--quantization` (the target)
 `--draft-quantization`: int8 where the CPU has int8 dot-product units (measured faster
 there, docs/benchmarks.md; an AVX2-only CPU is unmeasured); on a GPU the checkpoints' own
 weights (fp8, untested on a GPU here, only when asked). A setting the user made always
-wins. Reads the CPU flags from /proc/cpuinfo; imports neither vllm nor torch.
+wins. Reads the CPU flags from /proc/cpuinfo (vllm_plugins/cpu_flags.py); imports neither vllm
+nor torch.
 """
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
+
+from server.vllm_plugins.cpu_flags import read_cpu_flags
 
 DtypeSetting = Literal["bfloat16", "float32", "auto"]
 
-CPUINFO = Path("/proc/cpuinfo")
 # x86 flags (as /proc/cpuinfo spells them) of CPUs that multiply bf16 natively.
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
@@ -29,20 +30,6 @@ class DtypeChoice:
 
     dtype: DtypeSetting  # "auto" only on a GPU: the model's own dtype
     reason: str
-
-
-def read_cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str] | None:
-    """The CPU's feature flags (the `flags` lines of /proc/cpuinfo); None if unknown."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return None
-    flags: set[str] = set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            flags.update(value.split())
-    return frozenset(flags) if flags else None
 
 
 def choose_dtype(

@@ -1,36 +1,19 @@
-"""OpenAI's `logit_bias` with speculation on (vLLM glue).
+"""The API process's half of the logit_bias patch: vLLM's request checks here let
+`logit_bias` pass with speculation.
 
-vLLM 0.32 refuses `logit_bias` whenever speculation is configured: the
-rejection sampler does not add the bias to the target's logits at verified
-draft positions, so an accepted draft could be a token the bias bans. It
-refuses it in `SamplingParams._validate_spec_decode` (front end) and does not
-even build the `LogitBiasLogitsProcessor` in the worker (`build_logitsprocs`).
-
-specserve keeps biased requests away from drafts instead: the autopilot
-scheduler runs every step that holds one at K=0 (reason "logit_bias").
-Drafts are proposed at the end of a step for that step's requests only, so a
-biased request never has one to verify (in its first step, neighbours may
-still verify drafts proposed before it came). Under speculation the rejection
-sampler runs even at K=0, but a row without drafts gets its "bonus" token,
-drawn by vLLM's plain `Sampler`, which applies every non-argmax-invariant
-logits processor, LogitBias included. Two narrow patches make that reachable:
-
-- `allow_in_request_checks()` (front-end process, called by the engine):
-  vLLM's spec-decode check runs as before on a copy without `logit_bias`,
-  so `min_p` and whatever else vLLM refuses there stays refused;
-- `install()` (`vllm.general_plugins` entry point, worker process, where the
-  engine enabled the patch): `build_logitsprocs` adds the LogitBias processor
-  to what vLLM builds under speculation.
-
-Both only where `vllm_patches` finds what they patch (and the autopilot's
-scheduler runs); otherwise vLLM's refusal stays in place. Neither is contained:
-a builder that failed would leave a bias accepted and not applied.
+vllm_plugins/logit_bias.py holds the worker's half (the LogitBias processor built under
+speculation), the patch's declaration (both halves' hooks) and why biased requests are safe
+with speculation on. The engine calls
+`allow_in_request_checks()` once the registry found both halves' hooks: vLLM's spec-decode
+check runs as before on a copy without `logit_bias`, so `min_p` and whatever else vLLM
+refuses there stays refused. Not contained, as the worker's half is not
+(vllm_plugins/logit_bias.py says why).
 """
 
 import copy
 from typing import Any
 
-from server.engine import vllm_patches
+from server.vllm_plugins import patching
 
 
 def allow_in_request_checks() -> None:
@@ -38,7 +21,7 @@ def allow_in_request_checks() -> None:
     from vllm.sampling_params import SamplingParams
 
     original = SamplingParams._validate_spec_decode
-    if vllm_patches.is_replaced(original):
+    if patching.is_replaced(original):
         return
 
     def validate_spec_decode(self: Any, speculative_config: Any) -> None:
@@ -46,37 +29,5 @@ def allow_in_request_checks() -> None:
         without_bias.logit_bias = None
         original(without_bias, speculative_config)
 
-    vllm_patches.mark(validate_spec_decode, original)
+    patching.mark(validate_spec_decode, original)
     SamplingParams._validate_spec_decode = validate_spec_decode  # type: ignore[method-assign]
-
-
-def install() -> None:
-    """`vllm.general_plugins` hook: build the LogitBias processor under speculation too,
-    in engine processes where specserve enabled the patch."""
-    if not vllm_patches.enabled("logit_bias"):
-        return
-    from vllm.v1.sample.logits_processor import LogitsProcessors
-    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
-    from vllm.v1.worker import gpu_model_runner
-
-    original = gpu_model_runner.build_logitsprocs
-    if vllm_patches.is_replaced(original):
-        return
-
-    def build_logitsprocs(
-        vllm_config: Any,
-        device: Any,
-        is_pin_memory: bool,
-        is_pooling_model: bool,
-        custom_logitsprocs: Any = (),
-    ) -> Any:
-        processors = original(
-            vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs
-        )
-        if vllm_config.speculative_config is None or is_pooling_model:
-            return processors
-        bias = LogitBiasLogitsProcessor(vllm_config, device, is_pin_memory)
-        return LogitsProcessors([*processors.all, bias])
-
-    vllm_patches.mark(build_logitsprocs, original)
-    gpu_model_runner.build_logitsprocs = build_logitsprocs

@@ -1,4 +1,5 @@
-"""What the server's processes hold on a CPU host, item by item, for the startup line and /health.
+"""What the server's processes hold on a CPU host, item by item, for the startup line and /health
+(read from the API process).
 
 The whole is what the OS says: each process's private memory (`Private_Clean` +
 `Private_Dirty` of /proc/<pid>/smaps_rollup: what it alone holds, shared libraries and the

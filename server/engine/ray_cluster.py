@@ -1,5 +1,5 @@
-"""Joining the Ray cluster of a multi-node replica: its leader starts the engine only once
-every node (its own and each worker's) has joined, or stops with one clear line.
+"""Joining the Ray cluster of a multi-node replica (API process): its leader starts the engine
+only once every node (its own and each worker's) has joined, or stops with one clear line.
 
 vLLM places the engine's ranks on the cluster's GPUs when the engine starts; started before the
 workers join, it would find too few and fail (or, worse, place every rank on the leader).

@@ -1,4 +1,4 @@
-"""Turn Settings into an EngineConfig: which models, checked before loading.
+"""Turn Settings into an EngineConfig: which models, checked before loading (API process).
 
 The embedded pair is pulled if it is not cached yet; the int8 copies asked for and the
 ranking of the draft's vocabulary for a trimmed head are made once (`prepare_target`,

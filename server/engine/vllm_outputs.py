@@ -1,6 +1,6 @@
 """vLLM's requests and outputs on the engine contract (engine/contract.py): the SamplingParams of a
 request's options, and each RequestOutput's choices, logprobs, finish reasons, token times and
-speculation counts. Imports vllm only inside functions, as the adapter does.
+speculation counts (API process). Imports vllm only inside functions, as the adapter does.
 """
 
 import time
@@ -14,8 +14,8 @@ from server.engine.contract import (
     TokenLogprob,
     TokenTimes,
 )
-from server.engine.request_args import MAX_DRAFT_TOKENS_ARG, TENANT_ARG
 from server.errors import EngineUnavailableError, InternalError, InvalidRequestError
+from server.vllm_plugins.request_args import MAX_DRAFT_TOKENS_ARG, TENANT_ARG
 
 
 def sampling_params(

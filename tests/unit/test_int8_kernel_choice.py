@@ -2,7 +2,7 @@
 
 import pytest
 
-from server.engine.cpu_fix import vnni_without_amx
+from server.vllm_plugins.cpu_fix import vnni_without_amx
 
 AVX512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
 

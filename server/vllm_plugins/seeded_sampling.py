@@ -25,9 +25,9 @@ accepted with probability p(draft token), as under rejection sampling.
 Unseeded and greedy requests are untouched.
 
 `install()` is a `vllm.general_plugins` entry point, active in engine processes
-where the engine enabled the patch (`vllm_patches`, which checked its hooks);
+where the engine enabled the patch (`registry`, which checked its hooks);
 an exception in it hands sampling back to vLLM's own code for the rest of the
-process.
+process. `SEEDED_SAMPLING` declares the patch for the registry.
 """
 
 import hashlib
@@ -35,7 +35,43 @@ import inspect
 from dataclasses import replace
 from typing import Any
 
-from server.engine import vllm_patches
+from server.vllm_plugins import patching
+from server.vllm_plugins.vllm_source import Hook
+
+SEEDED_SAMPLING = patching.Patch(
+    "seeded_sampling",
+    "a seeded request's text independent of K (otherwise it follows K)",
+    (
+        Hook(
+            "vllm.v1.worker.gpu_model_runner",
+            "GPUModelRunner._sample",
+            ("logits", "spec_decode_metadata"),
+        ),
+        Hook(
+            "vllm.v1.worker.gpu_model_runner",
+            "GPUModelRunner",
+            members=("input_batch", "query_start_loc", "positions", "requests", "sampler"),
+        ),
+        Hook(
+            "vllm.v1.sample.rejection_sampler",
+            "rejection_sample",
+            (
+                "draft_token_ids",
+                "num_draft_tokens",
+                "max_spec_len",
+                "target_logits",
+                "bonus_token_ids",
+                "sampling_metadata",
+            ),
+        ),
+        Hook("vllm.v1.sample.sampler", "Sampler", members=("topk_topp_sampler",)),
+        Hook("vllm.v1.sample.metadata", "SamplingMetadata", members=("generators",)),
+        Hook("vllm.v1.spec_decode.metadata", "SpecDecodeMetadata", members=("num_draft_tokens",)),
+        Hook("vllm.v1.worker.gpu_input_batch", "InputBatch", members=("sampling_metadata",)),
+    ),
+    v1_runner=True,
+    plugin="specserve_position_keyed_seeds",
+)
 
 PLACEHOLDER_TOKEN_ID = -1  # vLLM's rejection sampler's mark for "no token here"
 
@@ -68,18 +104,18 @@ class KeyedGenerators(dict[int, Any]):
 def install() -> None:
     """`vllm.general_plugins` hook: key seeded requests' noise by position, in engine
     processes where specserve enabled the patch."""
-    if not vllm_patches.enabled("seeded_sampling"):
+    if not patching.enabled("seeded_sampling"):
         return
     from vllm.v1.sample import rejection_sampler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    if vllm_patches.is_replaced(GPUModelRunner._sample):
+    if patching.is_replaced(GPUModelRunner._sample):
         return
     original_sample = GPUModelRunner._sample
     original_rejection_sample = rejection_sampler.rejection_sample
     signature = inspect.signature(original_rejection_sample)
 
-    @vllm_patches.contained("seeded_sampling", original_sample)
+    @patching.contained(SEEDED_SAMPLING, original_sample)
     def _sample(self: Any, logits: Any, spec_decode_metadata: Any) -> Any:
         batch = self.input_batch
         metadata = batch.sampling_metadata
@@ -101,7 +137,7 @@ def install() -> None:
             values["sampling_metadata"] = replace(metadata, generators=dict(metadata.generators))
         return original_rejection_sample(**values)
 
-    @vllm_patches.contained("seeded_sampling", vllms_own)
+    @patching.contained(SEEDED_SAMPLING, vllms_own)
     def rejection_sample(*args: Any, **kwargs: Any) -> Any:
         values = signature.bind(*args, **kwargs).arguments
         metadata = values["sampling_metadata"]
@@ -114,8 +150,8 @@ def install() -> None:
         _write_coupled_rows(output, keyed, values, tokens)
         return output
 
-    vllm_patches.mark(_sample, original_sample)
-    vllm_patches.mark(rejection_sample, original_rejection_sample)
+    patching.mark(_sample, original_sample)
+    patching.mark(rejection_sample, original_rejection_sample)
     GPUModelRunner._sample = _sample  # type: ignore[method-assign]
     rejection_sampler.rejection_sample = rejection_sample
 

@@ -1,6 +1,8 @@
 """What specserve's scheduler reads of a vLLM request: the arguments the front end sends in
 `SamplingParams.extra_args` (a request's own cap on drafts, its tenant), its logit_bias, and the
-ids of the engine's own calibration requests. No vLLM import: the front end writes these too.
+ids of the engine's own calibration requests (several processes: the API process writes them,
+EngineCore's scheduler reads them). Here rather than in engine/ because the scheduler's code
+imports nothing of engine/; no vLLM import, since the API process imports it early.
 """
 
 from typing import Any

@@ -10,8 +10,8 @@ finished reply back into its tenant's index. In auto mode lookups also answer to
 measured: at a batch size where steps verifying lookups made fewer tokens per second than
 plain steps, none are proposed until that evidence fades (end_to_end.py). Calibration
 requests, requests with logit_bias and requests that capped their drafts at 0 get no lookups.
-An exception here turns lookups off for the rest of the process (`vllm_patches.contained`);
-the draft goes on alone.
+An exception here turns lookups off for the rest of the process (`patching.contained`);
+the draft goes on alone. `LOOKUP` declares the patch for the registry.
 """
 
 import time
@@ -23,13 +23,40 @@ from server.autopilot.cost_model import CostModel
 from server.autopilot.end_to_end import EndToEnd
 from server.autopilot.lookup import Lookup, Proposal
 from server.autopilot.reports import SchedulerReport, Verified
-from server.engine import vllm_patches
-from server.engine.request_args import (
+from server.vllm_plugins import patching
+from server.vllm_plugins.request_args import (
     CALIBRATION_PREFIX,
     TENANT_ARG,
     draft_cap,
     extra_arg,
     has_logit_bias,
+)
+from server.vllm_plugins.vllm_source import Hook
+
+LOOKUP = patching.Patch(
+    "lookup",
+    "proposals looked up in the prompt and in the tenant's earlier replies (the hybrid; "
+    "otherwise the draft model alone)",
+    (
+        Hook(
+            "vllm.v1.core.sched.scheduler",
+            "Scheduler",
+            members=("running", "structured_output_manager", "_free_request"),
+        ),
+        Hook(
+            "vllm.v1.structured_output",
+            "StructuredOutputManager.validate_tokens",
+            ("request", "spec_tokens"),
+        ),
+        Hook(
+            "vllm.v1.request",
+            "Request",
+            members=("all_token_ids", "output_token_ids", "is_prefill_chunk", "num_tokens"),
+        ),
+    ),
+    needs=("autopilot",),
+    speculation_only=True,
+    only_when_asked=True,
 )
 
 
@@ -66,7 +93,7 @@ class SchedulerLookups:
     def max_tokens(self) -> int:
         return self._lookup.max_tokens
 
-    @vllm_patches.contained("lookup", _none)
+    @patching.contained(LOOKUP, _none)
     def propose(
         self, running: Iterable[Any], validate: Callable[[Any, list[int]], list[int]]
     ) -> dict[str, Proposal]:
@@ -136,7 +163,7 @@ class SchedulerLookups:
         if self._veto is not None:
             self._veto.observe(batch, tokens, seconds, trying=looked_up)
 
-    @vllm_patches.contained("lookup", _nothing)
+    @patching.contained(LOOKUP, _nothing)
     def finished(self, request: Any) -> None:
         """A request left the engine: its reply joins its tenant's index (calibration's
         requests have no tenant)."""

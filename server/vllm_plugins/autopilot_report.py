@@ -1,9 +1,10 @@
-"""Speculation reports from vLLM's engine processes to specserve's front end.
+"""Speculation reports from vLLM's engine processes to specserve's front end (the sending
+side, in EngineCore and the workers).
 
 The scheduler (EngineCore process) and the draft proposer (worker process)
 run outside the front end, which owns /metrics. Each sends its cumulative
 totals as one JSON datagram over a Unix socket whose path the engine puts in
-its settings for vLLM's processes (`vllm_patches.report_socket()`).
+its settings for vLLM's processes (`patching.report_socket()`).
 Sending never blocks an engine step: when the front end is behind, the report
 stays pending and the next one carries the newer totals (they are cumulative,
 so nothing is lost).

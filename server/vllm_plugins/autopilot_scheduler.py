@@ -17,7 +17,7 @@ lookups idles the draft (reason "lookup"), which catches up when it is needed ag
 steps stay out of what the controller measures of the draft (its acceptance, its end-to-end
 comparison).
 
-The mode comes from the engine's settings (`vllm_patches.settings()`): "auto"
+The mode comes from the engine's settings (`patching.settings()`): "auto"
 (the controller), "fixed" (K up to a batch-size cut-off, as vLLM's static
 table) and "script" (a forced K sequence, for the losslessness tests). In
 every mode a step holding a request with `logit_bias` runs at K=0
@@ -25,7 +25,9 @@ every mode a step holding a request with `logit_bias` runs at K=0
 extra_args, `request_args.MAX_DRAFT_TOKENS_ARG`) caps its drafts: a step whose requests all
 ask for none idles the draft. The policy itself is
 pure and imports no vLLM. An exception in this glue turns speculation off for
-the rest of the run (`vllm_patches.contained`) instead of killing the engine.
+the rest of the run (`patching.contained`) instead of killing the engine. The patch's
+declaration and this class's name are in autopilot_patch.py (this module imports vLLM as it
+loads; the API process never imports it).
 """
 
 import itertools
@@ -45,16 +47,17 @@ from server.autopilot.end_to_end import EndToEnd
 from server.autopilot.idle import IdleReason
 from server.autopilot.policy import Controller, Decision, RequestState
 from server.autopilot.reports import SchedulerReport, Verified
-from server.engine import vllm_patches
-from server.engine.autopilot_report import Reporter
-from server.engine.request_args import CALIBRATION_PREFIX, draft_cap, has_logit_bias
-from server.engine.scheduler_lookups import SchedulerLookups
+from server.vllm_plugins import patching
+from server.vllm_plugins.autopilot_patch import AUTOPILOT
+from server.vllm_plugins.autopilot_report import Reporter
+from server.vllm_plugins.request_args import CALIBRATION_PREFIX, draft_cap, has_logit_bias
+from server.vllm_plugins.scheduler_lookups import SchedulerLookups
 
 logger = logging.getLogger(__name__)
 
 
 def _contained(fallback: Any) -> Any:
-    return vllm_patches.contained("autopilot", fallback)
+    return patching.contained(AUTOPILOT, fallback)
 
 
 def parse_script(text: str) -> list[int]:
@@ -71,7 +74,7 @@ class AutopilotScheduler(Scheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        settings = vllm_patches.settings().get("autopilot", {})
+        settings = patching.settings().get("autopilot", {})
         self._mode = settings.get("mode", "auto")
         self._max_batch = settings.get("max_batch_size")
         # The draft's largest K; vLLM's own (num_spec_tokens) is larger where lookups propose
@@ -113,9 +116,9 @@ class AutopilotScheduler(Scheduler):
         self._measured_speedup: float | None = None
         self._verified_k = 0  # the K the step being run verifies (its predecessor's)
         self._verified_probe = False  # and whether that K was a probe's (or calibration's)
-        self._reporter = Reporter("scheduler", vllm_patches.report_socket())
+        self._reporter = Reporter("scheduler", patching.report_socket())
         # Without the draft_idle patch the draft runs every step: nothing to catch up on.
-        self._draft_idles = vllm_patches.enabled("draft_idle")
+        self._draft_idles = patching.enabled("draft_idle")
         trace = settings.get("trace")  # one JSON line per step appended there
         # Line-buffered: a line per step reaches the file as the step ends.
         # Open for the engine core's life: it ends with the process.
