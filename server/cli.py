@@ -79,6 +79,8 @@ SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--max-tools", {"type": int}),
     ("--max-logit-bias", {"type": int}),
     ("--max-completion-sequences", {"type": int}),
+    ("--max-json-schema-bytes", {"type": int}),
+    ("--max-json-schema-depth", {"type": int}),
     ("--max-concurrent-requests", {"type": int}),
     ("--max-queued-requests", {"type": int}),
     ("--queue-timeout-seconds", {"type": float}),

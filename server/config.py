@@ -372,6 +372,23 @@ class Settings(BaseSettings):
         description="Most sequences a `/v1/completions` request may start, its prompts times "
         "`n` (400 above).",
     )
+    max_json_schema_bytes: int = Field(
+        DEFAULT_LIMITS.max_json_schema_bytes,
+        ge=1,
+        description="Largest client JSON schema a grammar enforces, in bytes as compact JSON "
+        "(400 above): `response_format`'s, `text.format`'s, and the `parameters` of the tools a "
+        "`required` or named `tool_choice` holds the reply to. Each is compiled per request; "
+        "64 KiB is far above common schemas, though schemas at OpenAI's own caps (5,000 "
+        "properties, 120,000 characters of names and enum values) can be larger.",
+    )
+    max_json_schema_depth: int = Field(
+        DEFAULT_LIMITS.max_json_schema_depth,
+        ge=1,
+        description="Deepest such schema: objects and arrays nested in it, itself the first "
+        "(400 above). 32 admits OpenAI's 10 levels of nested objects (two each here: "
+        "`properties`, then the property's schema) with room for `anyOf`, `items` and `$defs`; "
+        "vLLM refuses more than 64 whatever this says.",
+    )
     metrics_need_key: bool = Field(
         False, description="Require an API key on /metrics too (it is open by default)."
     )

@@ -2,7 +2,8 @@
 names the parameter and the flag, before any stream starts; each a setting that raises it."""
 
 import dataclasses
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -188,7 +189,7 @@ async def test_a_lowered_setting_refuses_what_the_default_admits(engine: Scripte
     assert "at most 0 entries (--max-logit-bias)" in error["message"]
 
 
-def test_the_defaults_are_the_limits_the_protocol_always_had() -> None:
+def test_the_defaults_are_the_limits_the_protocol_had_and_the_schema_bounds() -> None:
     assert dataclasses.asdict(DEFAULT_LIMITS) == {
         "max_n": 16,
         "max_logprobs": 20,
@@ -197,6 +198,8 @@ def test_the_defaults_are_the_limits_the_protocol_always_had() -> None:
         "max_tools": 128,
         "max_logit_bias": 300,
         "max_completion_sequences": 64,
+        "max_json_schema_bytes": 65536,
+        "max_json_schema_depth": 32,
     }
 
 
@@ -215,3 +218,152 @@ def test_the_command_line_sets_the_limits() -> None:
     args.pop("command")
     limits = Settings(**args).request_limits
     assert (limits.max_n, limits.max_tools, limits.max_logprobs) == (32, 0, 20)
+
+
+def _nesting(depth: int) -> dict[str, Any]:
+    """A schema whose objects and arrays nest `depth` deep: arrays of arrays of strings."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth - 1):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def _weighing(size: int) -> dict[str, Any]:
+    """A schema of `size` bytes as compact JSON."""
+    empty = len(json.dumps({"type": "object", "description": ""}, separators=(",", ":")))
+    return {"type": "object", "description": "x" * (size - empty)}
+
+
+def _chat_tool(name: str, parameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def _responses_tool(name: str, parameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"type": "function", "name": name, "parameters": parameters}
+
+
+def _response_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    }
+
+
+# Where a client's schema becomes a grammar: (endpoint, the fields that put it there, param).
+SCHEMA_PLACES: dict[
+    str, tuple[tuple[str, dict[str, Any]], Callable[[Any], dict[str, Any]], str]
+] = {
+    "chat response_format": (CHAT, _response_format, "response_format.json_schema.schema"),
+    "completions response_format": (
+        COMPLETIONS,
+        _response_format,
+        "response_format.json_schema.schema",
+    ),
+    "responses text.format": (
+        RESPONSES,
+        lambda schema: {"text": {"format": {"type": "json_schema", "name": "a", "schema": schema}}},
+        "text.format.schema",
+    ),
+    "chat named tool": (
+        CHAT,
+        lambda schema: {
+            "tools": [_chat_tool("f", schema)],
+            "tool_choice": {"type": "function", "function": {"name": "f"}},
+        },
+        "tools.0.function.parameters",
+    ),
+    "chat required tools": (
+        CHAT,
+        lambda schema: {
+            "tools": [_chat_tool("f"), _chat_tool("g", schema)],
+            "tool_choice": "required",
+        },
+        "tools.1.function.parameters",
+    ),
+    "responses named tool": (
+        RESPONSES,
+        lambda schema: {
+            "tools": [_responses_tool("f", schema)],
+            "tool_choice": {"type": "function", "name": "f"},
+        },
+        "tools.0.parameters",
+    ),
+    "responses required tools": (
+        RESPONSES,
+        lambda schema: {
+            "tools": [_responses_tool("f"), _responses_tool("g", schema)],
+            "tool_choice": "required",
+        },
+        "tools.1.parameters",
+    ),
+}
+# (schema just over the default limit, the same at it, message)
+SCHEMA_LIMITS = {
+    "depth": (
+        _nesting(33),
+        _nesting(32),
+        "must nest objects and arrays at most 32 levels deep (--max-json-schema-depth); got 33",
+    ),
+    "size": (
+        _weighing(65537),
+        _weighing(65536),
+        "must be at most 65536 bytes as JSON (--max-json-schema-bytes); got 65537",
+    ),
+}
+
+
+@pytest.mark.parametrize("limit", SCHEMA_LIMITS)
+@pytest.mark.parametrize("place", SCHEMA_PLACES)
+async def test_a_schema_a_grammar_enforces_is_bounded_in_depth_and_size(
+    client: httpx.AsyncClient, place: str, limit: str
+) -> None:
+    endpoint, fields, param = SCHEMA_PLACES[place]
+    over, at, message = SCHEMA_LIMITS[limit]
+    refused = await client.post(endpoint[0], json=_body(endpoint, stream=True, **fields(over)))
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param)
+    assert f"{param} {message}" in error["message"]
+    accepted = await client.post(endpoint[0], json=_body(endpoint, **fields(at)))
+    assert accepted.status_code == 200, accepted.text
+
+
+@pytest.mark.parametrize("limit", SCHEMA_LIMITS)
+@pytest.mark.parametrize("place", SCHEMA_PLACES)
+async def test_raised_schema_limits_admit_what_the_defaults_refuse(
+    raised: httpx.AsyncClient, place: str, limit: str
+) -> None:
+    endpoint, fields, _ = SCHEMA_PLACES[place]
+    over, _, _ = SCHEMA_LIMITS[limit]
+    response = await raised.post(endpoint[0], json=_body(endpoint, **fields(over)))
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "fields"),
+    [
+        (CHAT, {"tools": [_chat_tool("f", _nesting(40))]}),
+        (CHAT, {"tools": [_chat_tool("f", _nesting(40))], "tool_choice": "none"}),
+        (
+            CHAT,
+            {
+                "tools": [_chat_tool("f"), _chat_tool("g", _nesting(40))],
+                "tool_choice": {"type": "function", "function": {"name": "f"}},
+            },
+        ),
+        (RESPONSES, {"tools": [_responses_tool("f", _weighing(70000))]}),
+        (
+            RESPONSES,
+            {
+                "tools": [_responses_tool("f"), _responses_tool("g", _weighing(70000))],
+                "tool_choice": {"type": "function", "name": "f"},
+            },
+        ),
+    ],
+)
+async def test_tool_parameters_no_grammar_enforces_are_not_bounded(
+    client: httpx.AsyncClient, endpoint: tuple[str, dict[str, Any]], fields: dict[str, Any]
+) -> None:
+    # Under auto (or none) the tools only reach the chat template, whose prompt the context
+    # length bounds; under a named choice only that function's schema is compiled.
+    response = await client.post(endpoint[0], json=_body(endpoint, **fields))
+    assert response.status_code == 200, response.text
