@@ -41,6 +41,7 @@ from server.errors import (
     NotFoundError,
     error_statuses,
 )
+from server.protocol.limits import DEFAULT_LIMITS, RequestLimits
 from server.serving import observer
 from server.traffic.admission_queue import AdmissionController
 from server.traffic.api_keys import ApiKeys
@@ -84,6 +85,7 @@ def create_app(
     admission: AdmissionController | None = None,
     request_timeout_seconds: float | None = None,
     lifecycle: Lifecycle | None = None,
+    request_limits: RequestLimits = DEFAULT_LIMITS,
 ) -> FastAPI:
     """The ASGI app over `engine`.
 
@@ -93,8 +95,9 @@ def create_app(
     `rate_limit_store` a Redis URL holding the rate limits, None this process;
     `metrics_port` None serves /metrics with the API, else on that port only (the
     process runner listens on both); `admission` None means the default bounds;
-    `request_timeout_seconds` None means no deadline. The process runner
-    shares `lifecycle` to drain and stop the server.
+    `request_timeout_seconds` None means no deadline; `request_limits` bounds what
+    one request may ask for (protocol/limits.py). The process runner shares
+    `lifecycle` to drain and stop the server.
     """
     admission = admission or AdmissionController(
         DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_QUEUE_TIMEOUT_SECONDS
@@ -122,6 +125,7 @@ def create_app(
     app.state.engine = engine
     app.state.lifecycle = lifecycle
     app.state.request_timeout_seconds = request_timeout_seconds
+    app.state.request_limits = request_limits
     # The last added runs first: every refusal below is counted and carries
     # the request id.
     limits = api_keys.ring.limits if api_keys is not None else {}

@@ -72,6 +72,15 @@ SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--body-read-timeout-seconds", {"type": float}),
     ("--max-connections", {"type": int}),
     ("--keep-alive-timeout-seconds", {"type": int}),
+    ("--max-n", {"type": int}),
+    ("--max-logprobs", {"type": int}),
+    ("--max-stop-sequences", {"type": int}),
+    ("--max-stop-length", {"type": int}),
+    ("--max-tools", {"type": int}),
+    ("--max-logit-bias", {"type": int}),
+    ("--max-completion-sequences", {"type": int}),
+    ("--max-json-schema-bytes", {"type": int}),
+    ("--max-json-schema-depth", {"type": int}),
     ("--max-concurrent-requests", {"type": int}),
     ("--max-queued-requests", {"type": int}),
     ("--queue-timeout-seconds", {"type": float}),
@@ -190,6 +199,7 @@ def serve_engine(
         admission=admission,
         request_timeout_seconds=settings.request_timeout_seconds,
         lifecycle=lifecycle,
+        request_limits=settings.request_limits,
     )
     if metrics_port is not None:
         logger.info("metrics on http://%s:%d/metrics", settings.host, metrics_port)

@@ -5,12 +5,15 @@ override them. Unsafe or impossible combinations are refused here, before any
 weights load, with a message that names the setting.
 """
 
+import dataclasses
 import ipaddress
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from server.protocol.limits import DEFAULT_LIMITS, RequestLimits
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "specserve" / "models"
 # The speculative methods that run a draft model (hybrid: the draft and lookups).
@@ -328,6 +331,64 @@ class Settings(BaseSettings):
         "idle "
         "timeout of load balancers, so they close first.",
     )
+    max_n: int = Field(
+        DEFAULT_LIMITS.max_n,
+        ge=1,
+        description="Most choices (`n`) a chat or completions request may ask for (400 above, "
+        "naming `n` and this flag).",
+    )
+    max_logprobs: int = Field(
+        DEFAULT_LIMITS.max_logprobs,
+        ge=0,
+        description="Most alternatives per token: completions' `logprobs`, chat's "
+        "`top_logprobs` (400 above).",
+    )
+    max_stop_sequences: int = Field(
+        DEFAULT_LIMITS.max_stop_sequences,
+        ge=0,
+        description="Most `stop` strings per request, OpenAI's limit (400 above).",
+    )
+    max_stop_length: int = Field(
+        DEFAULT_LIMITS.max_stop_length,
+        ge=1,
+        description="Longest `stop` string in characters (400 above): each is looked for in "
+        "the new text of every step.",
+    )
+    max_tools: int = Field(
+        DEFAULT_LIMITS.max_tools,
+        ge=0,
+        description="Most `tools` per chat or Responses API request, OpenAI's limit (400 above).",
+    )
+    max_logit_bias: int = Field(
+        DEFAULT_LIMITS.max_logit_bias,
+        ge=0,
+        description="Most `logit_bias` entries per request, the cap OpenAI is reported to "
+        "enforce (400 above); 0 refuses `logit_bias`, whose requests run their engine steps "
+        "without drafts.",
+    )
+    max_completion_sequences: int = Field(
+        DEFAULT_LIMITS.max_completion_sequences,
+        ge=1,
+        description="Most sequences a `/v1/completions` request may start, its prompts times "
+        "`n` (400 above).",
+    )
+    max_json_schema_bytes: int = Field(
+        DEFAULT_LIMITS.max_json_schema_bytes,
+        ge=1,
+        description="Largest client JSON schema a grammar enforces, in bytes as compact JSON "
+        "(400 above): `response_format`'s, `text.format`'s, and the `parameters` of the tools a "
+        "`required` or named `tool_choice` holds the reply to. Each is compiled per request; "
+        "64 KiB is far above common schemas, though schemas at OpenAI's own caps (5,000 "
+        "properties, 120,000 characters of names and enum values) can be larger.",
+    )
+    max_json_schema_depth: int = Field(
+        DEFAULT_LIMITS.max_json_schema_depth,
+        ge=1,
+        description="Deepest such schema: objects and arrays nested in it, itself the first "
+        "(400 above). 32 admits OpenAI's 10 levels of nested objects (two each here: "
+        "`properties`, then the property's schema) with room for `anyOf`, `items` and `$defs`; "
+        "vLLM refuses more than 64 whatever this says.",
+    )
     metrics_need_key: bool = Field(
         False, description="Require an API key on /metrics too (it is open by default)."
     )
@@ -426,6 +487,13 @@ class Settings(BaseSettings):
         if self.speculation == "auto":
             return DEFAULT_MAX_SPECULATIVE_TOKENS_AUTO
         return DEFAULT_NUM_SPECULATIVE_TOKENS
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        """The request limits, each from the setting of its name."""
+        return RequestLimits(
+            **{field.name: getattr(self, field.name) for field in dataclasses.fields(RequestLimits)}
+        )
 
     @property
     def uses_embedded_pair(self) -> bool:

@@ -7,7 +7,7 @@ from fastapi.responses import Response
 
 from server.api.admission import record_usage
 from server.api.auth import tenant
-from server.api.deps import EngineDep
+from server.api.deps import EngineDep, LimitsDep
 from server.api.instrumentation import arrival, deadline
 from server.api.replies import GENERATION_RESPONSES, event_stream, json_unless_disconnected
 from server.protocol.chat import ChatCompletionRequest, ChatCompletionResponse
@@ -22,11 +22,11 @@ router = APIRouter()
     responses=GENERATION_RESPONSES,
 )
 async def create_chat_completion(
-    body: ChatCompletionRequest, request: Request, engine: EngineDep
+    body: ChatCompletionRequest, request: Request, engine: EngineDep, limits: LimitsDep
 ) -> Response:
     # Rendering and tokenizing must not stall other streams on the event loop.
     prepared = await asyncio.to_thread(
-        chat.prepare, engine, body, arrival(request), tenant(request), deadline(request)
+        chat.prepare, engine, body, limits, arrival(request), tenant(request), deadline(request)
     )
     record_usage(request, prepared.observer)
     if body.stream:

@@ -7,7 +7,7 @@ from fastapi.responses import Response
 
 from server.api.admission import record_usage
 from server.api.auth import tenant
-from server.api.deps import EngineDep
+from server.api.deps import EngineDep, LimitsDep
 from server.api.instrumentation import arrival, deadline
 from server.api.replies import GENERATION_RESPONSES, event_stream, json_unless_disconnected
 from server.protocol.completions import CompletionRequest, CompletionResponse
@@ -18,11 +18,17 @@ router = APIRouter()
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=GENERATION_RESPONSES)
 async def create_completion(
-    body: CompletionRequest, request: Request, engine: EngineDep
+    body: CompletionRequest, request: Request, engine: EngineDep, limits: LimitsDep
 ) -> Response:
     # Tokenizing a long prompt must not stall other streams on the event loop.
     prepared = await asyncio.to_thread(
-        completions.prepare, engine, body, arrival(request), tenant(request), deadline(request)
+        completions.prepare,
+        engine,
+        body,
+        limits,
+        arrival(request),
+        tenant(request),
+        deadline(request),
     )
     record_usage(request, prepared.observer)
     if body.stream:

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from server.api.admission import record_usage
 from server.api.auth import tenant
-from server.api.deps import EngineDep
+from server.api.deps import EngineDep, LimitsDep
 from server.api.instrumentation import arrival, deadline
 from server.api.replies import TYPED_EVENT_RESPONSES, json_unless_disconnected, sse_response
 from server.protocol.responses import CreateResponseRequest, ResponseObject
@@ -21,11 +21,17 @@ router = APIRouter()
 
 @router.post("/v1/responses", response_model=ResponseObject, responses=TYPED_EVENT_RESPONSES)
 async def create_response(
-    body: CreateResponseRequest, request: Request, engine: EngineDep
+    body: CreateResponseRequest, request: Request, engine: EngineDep, limits: LimitsDep
 ) -> Response:
     # Rendering and tokenizing must not stall other streams on the event loop.
     prepared = await asyncio.to_thread(
-        responses.prepare, engine, body, arrival(request), tenant(request), deadline(request)
+        responses.prepare,
+        engine,
+        body,
+        limits,
+        arrival(request),
+        tenant(request),
+        deadline(request),
     )
     record_usage(request, prepared.observer)
     if body.stream:

@@ -16,12 +16,13 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from server.api.auth import tenant
-from server.api.deps import EngineDep
+from server.api.deps import EngineDep, LimitsDep
 from server.api.instrumentation import arrival
 from server.api.replies import error_responses
 from server.engine.contract import Engine
 from server.protocol.chat import ChatCompletionRequest
 from server.protocol.completions import CompletionRequest
+from server.protocol.limits import RequestLimits
 from server.protocol.responses import CreateResponseRequest
 from server.serving import chat, completions, responses
 
@@ -37,35 +38,38 @@ class RenderedPrompt(BaseModel):
 
 
 async def _prepare(
-    prepare: Callable[[Engine, Body, float, str, float | None], Prepared],
+    prepare: Callable[[Engine, Body, RequestLimits, float, str, float | None], Prepared],
     engine: Engine,
     body: Body,
+    limits: RequestLimits,
     request: Request,
 ) -> Prepared:
-    """The generation route's own preparation (validation, rendering, tokenizing), off the
-    event loop as there."""
-    return await asyncio.to_thread(prepare, engine, body, arrival(request), tenant(request), None)
+    """The generation route's own preparation (validation, limits, rendering, tokenizing),
+    off the event loop as there."""
+    return await asyncio.to_thread(
+        prepare, engine, body, limits, arrival(request), tenant(request), None
+    )
 
 
 @router.post("/v1/chat/completions/render", response_model=RenderedPrompt, responses=RENDER_ERRORS)
 async def render_chat_completion(
-    body: ChatCompletionRequest, request: Request, engine: EngineDep
+    body: ChatCompletionRequest, request: Request, engine: EngineDep, limits: LimitsDep
 ) -> RenderedPrompt:
-    prepared = await _prepare(chat.prepare, engine, body, request)
+    prepared = await _prepare(chat.prepare, engine, body, limits, request)
     return RenderedPrompt(token_ids=prepared.request.prompt_token_ids)
 
 
 @router.post("/v1/completions/render", response_model=list[RenderedPrompt], responses=RENDER_ERRORS)
 async def render_completion(
-    body: CompletionRequest, request: Request, engine: EngineDep
+    body: CompletionRequest, request: Request, engine: EngineDep, limits: LimitsDep
 ) -> list[RenderedPrompt]:
-    prepared = await _prepare(completions.prepare, engine, body, request)
+    prepared = await _prepare(completions.prepare, engine, body, limits, request)
     return [RenderedPrompt(token_ids=r.prompt_token_ids) for r in prepared.requests]
 
 
 @router.post("/v1/responses/render", response_model=RenderedPrompt, responses=RENDER_ERRORS)
 async def render_response(
-    body: CreateResponseRequest, request: Request, engine: EngineDep
+    body: CreateResponseRequest, request: Request, engine: EngineDep, limits: LimitsDep
 ) -> RenderedPrompt:
-    prepared = await _prepare(responses.prepare, engine, body, request)
+    prepared = await _prepare(responses.prepare, engine, body, limits, request)
     return RenderedPrompt(token_ids=prepared.request.prompt_token_ids)

@@ -6,8 +6,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from server.protocol.common import (
-    MAX_LOGPROBS,
-    MAX_TOOLS,
     SamplingFields,
     SpeculationSummary,
     StrictRequest,
@@ -115,8 +113,12 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
+    top_logprobs: int | None = Field(
+        None, ge=0, description="At most the server's `--max-logprobs`."
+    )
+    tools: list[ToolDefinition] | None = Field(
+        None, description="At most the server's `--max-tools`."
+    )
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 

@@ -1,7 +1,10 @@
 """Pydantic models shared by the completion and chat protocols.
 
 Requests forbid unknown fields: a parameter specserve cannot honour is a 400
-that names it, never silently ignored.
+that names it, never silently ignored. How many and how large (`n`, `stop`,
+`logit_bias`, `tools`...) is no constraint of the models: each is a server
+setting, checked after parsing (limits.py), and the field's description names
+its flag.
 """
 
 from typing import Annotated, Any, Literal
@@ -18,20 +21,9 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-# Largest request fan-out and logprob alternatives we accept.
-MAX_N = 16
-MAX_LOGPROBS = 20
-MAX_STOP_SEQUENCES = 4  # OpenAI's limit
-# OpenAI states none; each stop string is looked for in the new text of every step.
-MAX_STOP_LENGTH = 256
-MAX_TOOLS = 128  # OpenAI's limit
-# logit_bias entries: OpenAI's API reference states no cap; 300 is the one OpenAI is
-# reported to enforce, and plenty for banning or forcing a handful of words.
-MAX_LOGIT_BIAS = 300
 # A logit_bias key: a token id as OpenAI spells it, decimal without sign or leading zeros.
 TokenIdKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]*)$")]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
-StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_LENGTH)]
 
 
 def _optional_properties_accept_null(schema: dict[str, Any]) -> None:
@@ -135,9 +127,11 @@ class SamplingFields(StrictRequest):
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=MAX_N)
-    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES)] | None = (
-        None
+    n: int = Field(1, ge=1, description="At most the server's `--max-n`.")
+    stop: str | list[str] | None = Field(
+        None,
+        description="At most the server's `--max-stop-sequences`, each of at most "
+        "`--max-stop-length` characters.",
     )
     # The engine carries seeds as signed 64-bit integers.
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
@@ -149,7 +143,9 @@ class SamplingFields(StrictRequest):
     response_format: ResponseFormat | None = None
     # Token id -> bias added to its logit before sampling: -100 bans it, 100 forces it.
     # Ids must be in the model's vocabulary, which only the engine knows (checked in serving).
-    logit_bias: Annotated[dict[TokenIdKey, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    logit_bias: dict[TokenIdKey, Bias] | None = Field(
+        None, description="At most the server's `--max-logit-bias` entries."
+    )
     speculation: SpeculationOptions | None = None
 
     @model_validator(mode="before")

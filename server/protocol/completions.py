@@ -4,17 +4,17 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
-from server.protocol.common import MAX_LOGPROBS, MAX_N, SamplingFields, SpeculationSummary, Usage
+from server.protocol.common import SamplingFields, SpeculationSummary, Usage
 
 Prompt = str | list[str] | list[int] | list[list[int]]
-# Sequences one completion request may start (prompts times n).
-MAX_SEQUENCES = 4 * MAX_N
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Prompt
+    prompt: Prompt = Field(
+        description="Its prompts times `n`: at most the server's `--max-completion-sequences`."
+    )
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0, description="At most the server's `--max-logprobs`.")
     echo: bool = False
     # Fill in the middle: the prompt is the text before the insertion, this the text after.
     suffix: str | None = None
@@ -43,8 +43,6 @@ class CompletionRequest(SamplingFields):
             raise ValueError("echo together with logprobs is not supported")
         if isinstance(self.prompt, list) and len(self.prompt) == 0:
             raise ValueError("prompt must not be empty")
-        if len(self.prompts()) * self.n > MAX_SEQUENCES:
-            raise ValueError(f"prompts times n must be at most {MAX_SEQUENCES}")
         return self
 
     def prompts(self) -> list[str | list[int]]:

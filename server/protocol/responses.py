@@ -21,7 +21,6 @@ from pydantic import (
 
 from server.protocol.chat import ChatMessage, FunctionCall, MessageToolCall
 from server.protocol.common import (
-    MAX_TOOLS,
     JsonSchemaFormat,
     ResponseFormat,
     SpeculationOptions,
@@ -175,7 +174,9 @@ class CreateResponseRequest(StrictRequest):
     stream: bool = False
     stream_options: ResponseStreamOptions | None = None
     text: TextConfig = TextConfig()
-    tools: list[FunctionTool] = Field(default_factory=list, max_length=MAX_TOOLS)
+    tools: list[FunctionTool] = Field(
+        default_factory=list, description="At most the server's `--max-tools`."
+    )
     tool_choice: ToolChoice = "auto"
     parallel_tool_calls: bool = True
     # OpenAI stores responses unless told not to; specserve never does, so either

@@ -27,6 +27,7 @@ from server.protocol.chat import (
     ToolCallFunctionDelta,
     TopLogprob,
 )
+from server.protocol.limits import RequestLimits
 from server.serving.common import (
     check_model,
     generate_all,
@@ -39,6 +40,7 @@ from server.serving.common import (
     speculation_summary,
     usage,
     validate_all,
+    within_limits,
 )
 from server.serving.observer import RequestObserver
 from server.serving.sse import (
@@ -84,10 +86,12 @@ def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
 def prepare(
     engine: Engine,
     body: ChatCompletionRequest,
+    limits: RequestLimits,
     arrival: float,
     tenant: str,
     deadline: float | None,
 ) -> PreparedChat:
+    within_limits(limits.check_chat, body)
     model = check_model(engine, body.model)
     tools = tool_plan(body)
     messages = [m.template_dict() for m in body.messages]

@@ -1,8 +1,8 @@
 """Serving logic shared by completions, chat and the Responses API: checks, limits, fan-out
 of a request's generations, usage and the speculation summary.
 
-Everything that happens before the first byte is sent (model name, context
-length) raises an `APIError` the HTTP layer turns into a status code; once a
+Everything that happens before the first byte is sent (request limits, model name,
+context length) raises an `APIError` the HTTP layer turns into a status code; once a
 stream is under way, sse.py turns errors into events.
 """
 
@@ -11,9 +11,10 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import aclosing
 from types import MappingProxyType
+from typing import TypeVar
 
 from server.autopilot.idle import IdleReason
 from server.engine.contract import (
@@ -37,9 +38,11 @@ from server.protocol.common import (
     Usage,
     draft_cap,
 )
+from server.protocol.limits import LimitExceededError
 from server.serving.observer import RequestObserver
 
 logger = logging.getLogger(__name__)
+Body = TypeVar("Body")
 
 
 def new_id(prefix: str, separator: str = "-") -> str:
@@ -49,6 +52,15 @@ def new_id(prefix: str, separator: str = "-") -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+def within_limits(check: Callable[[Body], None], body: Body) -> None:
+    """A body over one of the server's request limits (`check`, a `RequestLimits` method) is
+    a 400 naming the parameter, and in its message the flag that raises the limit."""
+    try:
+        check(body)
+    except LimitExceededError as exc:
+        raise InvalidRequestError(str(exc), param=exc.param) from None
 
 
 def json_format(response_format: ResponseFormat | None) -> JsonFormat | None:

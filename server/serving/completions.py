@@ -16,6 +16,7 @@ from server.protocol.completions import (
     CompletionRequest,
     CompletionResponse,
 )
+from server.protocol.limits import RequestLimits
 from server.serving.common import (
     check_model,
     generate_all,
@@ -28,6 +29,7 @@ from server.serving.common import (
     speculation_summary,
     usage,
     validate_all,
+    within_limits,
 )
 from server.serving.observer import RequestObserver
 from server.serving.sse import (
@@ -55,10 +57,12 @@ class PreparedCompletion:
 def prepare(
     engine: Engine,
     body: CompletionRequest,
+    limits: RequestLimits,
     arrival: float,
     tenant: str,
     deadline: float | None,
 ) -> PreparedCompletion:
+    within_limits(limits.check_completion, body)
     model = check_model(engine, body.model)
     completion_id = new_id("cmpl")
     bias = logit_bias(engine, body)

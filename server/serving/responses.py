@@ -26,6 +26,7 @@ from server.engine.contract import (
 )
 from server.errors import APIError, InvalidRequestError
 from server.protocol.common import draft_cap
+from server.protocol.limits import RequestLimits
 from server.protocol.responses import (
     CreateResponseRequest,
     FunctionToolChoice,
@@ -48,6 +49,7 @@ from server.serving.common import (
     resolve_max_tokens,
     speculation_summary,
     validate_all,
+    within_limits,
 )
 from server.serving.observer import RequestObserver
 from server.serving.sse import (
@@ -103,10 +105,12 @@ def _named_for_responses() -> Iterator[None]:
 def prepare(
     engine: Engine,
     body: CreateResponseRequest,
+    limits: RequestLimits,
     arrival: float,
     tenant: str,
     deadline: float | None,
 ) -> PreparedResponse:
+    within_limits(limits.check_response, body)
     model = check_model(engine, body.model)
     tools = tool_plan(body)
     messages = [m.template_dict() for m in body.messages()]
