@@ -156,10 +156,23 @@ def plugin_missing(patch: Patch) -> str | None:
 
     if patch.plugin is None:
         return None
-    if patch.plugin not in {e.name for e in entry_points(group="vllm.general_plugins")}:
-        # An install older than the patch: the engine processes would never load it.
+    installed = {e.name: e for e in entry_points(group="vllm.general_plugins")}
+    entry = installed.get(patch.plugin)
+    if entry is None or not _module_exists(entry.module):
+        # An install older than the code (a patch added, or its module moved since): vLLM
+        # would skip the plugin with a line in its log, and the patch would silently not be.
         return f"the {patch.plugin} plugin (reinstall specserve: make install)"
     allowed = os.environ.get("VLLM_PLUGINS")
     if allowed is not None and patch.plugin not in allowed.split(","):
         return f"the {patch.plugin} plugin (VLLM_PLUGINS leaves it out)"
     return None
+
+
+def _module_exists(name: str) -> bool:
+    """Whether `name` can be imported here, without importing it."""
+    from importlib.util import find_spec
+
+    try:
+        return find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package is missing too
+        return False

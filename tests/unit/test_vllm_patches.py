@@ -2,6 +2,7 @@
 installed vLLM, containment of a failing patch, fault points and the model runner choice."""
 
 import importlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -82,6 +83,20 @@ def test_what_vllm_loads_by_name_resolves_to_our_code() -> None:
     targets.append(autopilot_patch.SCHEDULER_CLASS.rsplit(".", 1))
     for module, name in targets:
         assert callable(getattr(importlib.import_module(module), name))
+
+
+def test_a_plugin_whose_entry_point_names_a_moved_module_asks_for_a_reinstall(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    patch = registry.BY_NAME["cpu_embedding_memory"]
+    assert registry.plugin_missing(patch) is None
+    stale = importlib.metadata.EntryPoint(
+        patch.plugin or "", "server.engine.cpu_memory:install", "vllm.general_plugins"
+    )
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [stale])
+    assert registry.plugin_missing(patch) == (
+        f"the {patch.plugin} plugin (reinstall specserve: make install)"
+    )
 
 
 def test_a_missing_hook_turns_its_patch_and_those_needing_it_off(
