@@ -29,6 +29,7 @@ from server.config import (
     DEFAULT_BODY_READ_TIMEOUT_SECONDS,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONCURRENT_BODY_READS,
+    DEFAULT_MAX_CONCURRENT_RENDERS,
     DEFAULT_MAX_CONCURRENT_REQUESTS,
     DEFAULT_MAX_QUEUED_REQUESTS,
     DEFAULT_QUEUE_TIMEOUT_SECONDS,
@@ -83,6 +84,7 @@ def create_app(
     max_concurrent_body_reads: int = DEFAULT_MAX_CONCURRENT_BODY_READS,
     body_read_timeout_seconds: float = DEFAULT_BODY_READ_TIMEOUT_SECONDS,
     admission: AdmissionController | None = None,
+    render_admission: AdmissionController | None = None,
     request_timeout_seconds: float | None = None,
     lifecycle: Lifecycle | None = None,
     request_limits: RequestLimits = DEFAULT_LIMITS,
@@ -94,13 +96,18 @@ def create_app(
     open access (a reload of its file updates the tenants' rate limits too);
     `rate_limit_store` a Redis URL holding the rate limits, None this process;
     `metrics_port` None serves /metrics with the API, else on that port only (the
-    process runner listens on both); `admission` None means the default bounds;
+    process runner listens on both); `admission` (generation) and `render_admission`
+    (the render routes) None mean the default bounds;
     `request_timeout_seconds` None means no deadline; `request_limits` bounds what
     one request may ask for (protocol/limits.py). The process runner shares
     `lifecycle` to drain and stop the server.
     """
     admission = admission or AdmissionController(
         DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_QUEUE_TIMEOUT_SECONDS
+    )
+    renders = DEFAULT_MAX_CONCURRENT_RENDERS
+    render_admission = render_admission or AdmissionController(
+        renders, renders, DEFAULT_QUEUE_TIMEOUT_SECONDS
     )
     lifecycle = lifecycle or Lifecycle()
 
@@ -137,7 +144,11 @@ def create_app(
     if api_keys is not None:
         api_keys.on_change(lambda ring: rate_limiter.set_limits(ring.limits))
     app.add_middleware(
-        AdmissionMiddleware, lifecycle=lifecycle, admission=admission, rate_limiter=rate_limiter
+        AdmissionMiddleware,
+        lifecycle=lifecycle,
+        admission=admission,
+        render_admission=render_admission,
+        rate_limiter=rate_limiter,
     )
     app.add_middleware(
         BodyLimitsMiddleware,

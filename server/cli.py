@@ -84,6 +84,8 @@ SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--max-concurrent-requests", {"type": int}),
     ("--max-queued-requests", {"type": int}),
     ("--queue-timeout-seconds", {"type": float}),
+    ("--max-queued-per-tenant", {"type": int}),
+    ("--max-concurrent-renders", {"type": int}),
     ("--request-timeout-seconds", {"type": float}),
     ("--drain-timeout-seconds", {"type": float}),
     ("--log-format", {"choices": ["text", "json"]}),
@@ -181,6 +183,12 @@ def serve_engine(
         settings.max_concurrent_requests or settings.max_num_seqs,
         settings.max_queued_requests,
         settings.queue_timeout_seconds,
+        settings.max_queued_per_tenant,
+    )
+    render_admission = AdmissionController(
+        settings.max_concurrent_renders,
+        settings.max_concurrent_renders,
+        settings.queue_timeout_seconds,
     )
     lifecycle = Lifecycle()
     metrics_port = _metrics_port(settings)
@@ -197,6 +205,7 @@ def serve_engine(
         max_concurrent_body_reads=settings.max_concurrent_body_reads,
         body_read_timeout_seconds=settings.body_read_timeout_seconds,
         admission=admission,
+        render_admission=render_admission,
         request_timeout_seconds=settings.request_timeout_seconds,
         lifecycle=lifecycle,
         request_limits=settings.request_limits,

@@ -52,6 +52,7 @@ DEFAULT_KEEP_ALIVE_TIMEOUT_SECONDS = 65
 # line of four batches behind them; past that, clients get a fast 503.
 DEFAULT_MAX_CONCURRENT_REQUESTS = 16
 DEFAULT_MAX_QUEUED_REQUESTS = 64
+DEFAULT_MAX_CONCURRENT_RENDERS = 4
 DEFAULT_QUEUE_TIMEOUT_SECONDS = 60.0
 # Ten minutes is ~1,200 tokens on the 2-core CPU default and far more on a GPU.
 DEFAULT_REQUEST_TIMEOUT_SECONDS = 600.0
@@ -406,12 +407,27 @@ class Settings(BaseSettings):
     max_concurrent_requests: int | None = Field(
         None,
         ge=1,
-        description="Generation requests in the engine at once; defaults to --max-num-seqs.",
+        description="Sequences (a request's prompts times its n) in the engine at once; "
+        "defaults to --max-num-seqs.",
     )
     max_queued_requests: int = Field(
         DEFAULT_MAX_QUEUED_REQUESTS,
         ge=0,
-        description="Generation requests waiting for a slot; past it, 503 with Retry-After.",
+        description="Sequences of generation requests waiting for room; past it, 503 with "
+        "Retry-After.",
+    )
+    max_queued_per_tenant: int | None = Field(
+        None,
+        ge=0,
+        description="Sequences one API key (tenant) may have waiting for room; past it, 429 "
+        "with Retry-After, before its flood fills the line for everyone. Defaults to half "
+        "of --max-queued-requests.",
+    )
+    max_concurrent_renders: int = Field(
+        DEFAULT_MAX_CONCURRENT_RENDERS,
+        ge=1,
+        description="Calls of the render routes (/v1/*/render) tokenizing at once, in the "
+        "thread pool generation requests are prepared in; as many may wait, past that 503.",
     )
     queue_timeout_seconds: float = Field(
         DEFAULT_QUEUE_TIMEOUT_SECONDS,

@@ -32,7 +32,15 @@ ANONYMOUS_TENANT = "anonymous"
 # Endpoint labels are this fixed set (plus "/v1/models/{model}" and "other"),
 # so clients cannot grow it; generation endpoints are those reaching the engine.
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
-KNOWN_ENDPOINTS = (*GENERATION_ENDPOINTS, "/v1/models", "/health", "/ready", "/metrics")
+RENDER_ENDPOINTS = tuple(f"{endpoint}/render" for endpoint in GENERATION_ENDPOINTS)
+KNOWN_ENDPOINTS = (
+    *GENERATION_ENDPOINTS,
+    *RENDER_ENDPOINTS,
+    "/v1/models",
+    "/health",
+    "/ready",
+    "/metrics",
+)
 SPECULATION_WINDOW_SECONDS = 60.0
 
 # From 1 ms (GPU decode steps) to 2 minutes (a long CPU request).
@@ -48,9 +56,12 @@ REQUESTS = Counter(
 )  # fmt: skip
 IN_FLIGHT = Gauge("specserve_requests_in_flight", "HTTP requests being served", ["endpoint"])
 QUEUED = Gauge(
-    "specserve_requests_queued", "Generation requests waiting for an engine slot (queue depth)"
+    "specserve_requests_queued",
+    "Sequences (prompts x n) of generation requests waiting for engine slots (queue depth)",
 )
-RUNNING = Gauge("specserve_requests_running", "Generation requests holding an engine slot")
+RUNNING = Gauge(
+    "specserve_requests_running", "Sequences (prompts x n) of generation requests in the engine"
+)
 # Read from the engine at each scrape (see track_engine_requests).
 ENGINE_REQUESTS = Gauge(
     "specserve_engine_requests", "Requests the engine holds, waiting or running"

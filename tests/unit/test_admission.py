@@ -18,61 +18,62 @@ from server.api.admission import AdmissionMiddleware
 from server.app import create_app
 from server.errors import OverloadedError
 from server.logs import JsonFormatter, configure_logging
-from server.traffic.admission_queue import AdmissionController
+from server.traffic.admission_queue import AdmissionController, Ticket
 from server.traffic.lifecycle import Lifecycle
 from server.traffic.rate_limit import RateLimiter
 from tests.unit.scripted_engine import ScriptedEngine
 
 BODY = {"model": "scripted", "prompt": "a b", "max_tokens": 7}
+ONE = Ticket("anonymous", 1)  # one sequence of a server without keys
 
 
 async def test_slots_pass_to_waiters_in_arrival_order() -> None:
     admission = AdmissionController(1, 2, queue_timeout_seconds=5)
-    await admission.acquire()
+    await admission.acquire(ONE)
     order: list[int] = []
 
     async def wait(i: int) -> None:
-        await admission.acquire()
+        await admission.acquire(ONE)
         order.append(i)
 
     waiters = [asyncio.create_task(wait(i)) for i in range(2)]
     await asyncio.sleep(0.01)
     assert (admission.running, admission.queued) == (1, 2)
     with pytest.raises(OverloadedError) as refused:
-        await admission.acquire()  # the line is full: refused at once
+        await admission.acquire(ONE)  # the line is full: refused at once
     assert refused.value.status == 503
     assert "--max-queued-requests" in refused.value.message
     assert int(refused.value.headers["Retry-After"]) >= 1
-    admission.release(1.0)
+    admission.release(ONE, 1.0)
     await asyncio.sleep(0.01)
-    admission.release(1.0)
+    admission.release(ONE, 1.0)
     await asyncio.gather(*waiters)
     assert order == [0, 1]
-    admission.release(1.0)
+    admission.release(ONE, 1.0)
     assert admission.idle
 
 
 async def test_a_waiter_that_times_out_or_leaves_gives_up_its_place() -> None:
     admission = AdmissionController(1, 2, queue_timeout_seconds=0.05)
-    await admission.acquire()
+    await admission.acquire(ONE)
     with pytest.raises(OverloadedError, match=r"within 0\.05 s \(--queue-timeout-seconds\)"):
-        await admission.acquire()
-    leaving = asyncio.create_task(admission.acquire())
+        await admission.acquire(ONE)
+    leaving = asyncio.create_task(admission.acquire(ONE))
     await asyncio.sleep(0.01)
     leaving.cancel()
     await asyncio.gather(leaving, return_exceptions=True)
     assert (admission.running, admission.queued) == (1, 0)
-    admission.release(0.1)
+    admission.release(ONE, 0.1)
     assert admission.idle
 
 
 async def test_a_slot_handed_over_as_the_wait_is_cancelled_is_passed_on() -> None:
     admission = AdmissionController(1, 2, queue_timeout_seconds=5)
-    await admission.acquire()
-    first = asyncio.create_task(admission.acquire())
-    second = asyncio.create_task(admission.acquire())
+    await admission.acquire(ONE)
+    first = asyncio.create_task(admission.acquire(ONE))
+    second = asyncio.create_task(admission.acquire(ONE))
     await asyncio.sleep(0.01)
-    admission.release(0.1)  # hands the slot to `first`...
+    admission.release(ONE, 0.1)  # hands the slot to `first`...
     first.cancel()  # ...which is cancelled before it resumes
     await asyncio.gather(first, return_exceptions=True)
     await asyncio.wait_for(second, timeout=2)  # the slot reached the next waiter
@@ -155,11 +156,11 @@ async def test_ready_only_when_loaded_healthy_and_not_draining() -> None:
 
 async def test_drain_waits_for_admitted_requests_then_asks_to_stop() -> None:
     admission, lifecycle = AdmissionController(2, 2, 5), Lifecycle()
-    await admission.acquire()
+    await admission.acquire(ONE)
     drain = asyncio.create_task(lifecycle.drain(admission, timeout_seconds=5))
     await asyncio.sleep(0.3)
     assert lifecycle.draining and not lifecycle.stop_requested.is_set()
-    admission.release(0.3)
+    admission.release(ONE, 0.3)
     await asyncio.wait_for(drain, timeout=2)
     assert lifecycle.stop_requested.is_set()
     assert lifecycle.exit_status == 0
@@ -167,7 +168,7 @@ async def test_drain_waits_for_admitted_requests_then_asks_to_stop() -> None:
 
 async def test_drain_gives_up_at_its_timeout() -> None:
     admission, lifecycle = AdmissionController(2, 2, 5), Lifecycle()
-    await admission.acquire()
+    await admission.acquire(ONE)
     await asyncio.wait_for(lifecycle.drain(admission, timeout_seconds=0.2), timeout=2)
     assert lifecycle.stop_requested.is_set()
     assert admission.running == 1
@@ -262,7 +263,8 @@ async def test_a_queued_request_whose_client_hangs_up_leaves_the_line_at_once() 
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"done"})
 
-    app = AdmissionMiddleware(engine_route, Lifecycle(), admission, RateLimiter({}))
+    renders = AdmissionController(1, 1, queue_timeout_seconds=30)
+    app = AdmissionMiddleware(engine_route, Lifecycle(), admission, renders, RateLimiter({}))
 
     def call(client: _Client) -> "asyncio.Task[None]":
         scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
@@ -283,3 +285,134 @@ async def test_a_queued_request_whose_client_hangs_up_leaves_the_line_at_once() 
     assert (running.status, next_in_line.status) == (200, 200)
     assert bodies == [b"first", b"third"]
     assert admission.idle
+
+
+async def test_freed_room_goes_to_the_waiting_tenant_holding_the_least() -> None:
+    admission = AdmissionController(2, 8, queue_timeout_seconds=5)
+    flood, light = admission.ticket("a", 1), admission.ticket("b", 1)
+    for _ in range(2):
+        await admission.acquire(flood)
+    order: list[str] = []
+
+    async def wait(ticket: Ticket) -> None:
+        await admission.acquire(ticket)
+        order.append(ticket.tenant)
+
+    # a's two more arrive first, then b's: b holds nothing, so b goes first.
+    waiters = [asyncio.create_task(wait(t)) for t in (flood, flood)]
+    await _until(lambda: admission.queued == 2)
+    waiters.append(asyncio.create_task(wait(light)))
+    await _until(lambda: admission.queued == 3)
+    admission.release(flood, 1.0)
+    await _until(lambda: len(order) == 1)
+    assert order == ["b"] and admission.held_by("b") == 1
+    # Now a holds 1 and b 1: the rest is a's, in arrival order.
+    admission.release(flood, 1.0)
+    admission.release(light, 1.0)
+    await asyncio.gather(*waiters)
+    assert order == ["b", "a", "a"]
+    for _ in range(2):
+        admission.release(flood, 1.0)
+    assert admission.idle
+
+
+async def test_room_is_counted_in_sequences_and_a_wide_head_is_not_passed() -> None:
+    admission = AdmissionController(4, 16, queue_timeout_seconds=5)
+    assert admission.ticket("a", 64).sequences == 4  # wider than the engine: all of it
+    assert admission.ticket("a", 0).sequences == 1
+    wide, narrow = admission.ticket("a", 4), admission.ticket("b", 1)
+    await admission.acquire(narrow)
+    assert not admission.try_acquire(wide)
+    waiting_wide = asyncio.create_task(admission.acquire(wide))
+    await _until(lambda: admission.queued == 4)
+    # b holds 1, a nothing: a's wide head is next, and b's later request waits behind it.
+    waiting_narrow = asyncio.create_task(admission.acquire(narrow))
+    await _until(lambda: admission.queued == 5)
+    admission.release(narrow, 1.0)
+    await waiting_wide
+    assert (admission.running, admission.held_by("a"), admission.queued) == (4, 4, 1)
+    admission.release(wide, 1.0)
+    await waiting_narrow
+    admission.release(narrow, 1.0)
+    assert admission.idle
+
+
+async def test_a_key_with_its_share_of_the_line_waiting_gets_429_others_still_queue() -> None:
+    from server.errors import RateLimitError
+
+    admission = AdmissionController(1, 4, queue_timeout_seconds=5)
+    assert admission.max_queued_per_tenant == 2  # half the line unless set
+    await admission.acquire(admission.ticket("a", 1))
+    flood = [asyncio.create_task(admission.acquire(admission.ticket("a", 1))) for _ in range(2)]
+    await _until(lambda: admission.queued == 2)
+    with pytest.raises(RateLimitError) as refused:
+        await admission.acquire(admission.ticket("a", 1))
+    assert refused.value.status == 429 and refused.value.type == "requests"
+    assert "--max-queued-per-tenant 2" in refused.value.message
+    assert int(refused.value.headers["Retry-After"]) >= 1
+    light = asyncio.create_task(admission.acquire(admission.ticket("b", 1)))
+    await _until(lambda: admission.queued == 3)  # b still queues, and goes first
+    admission.release(admission.ticket("a", 1), 1.0)
+    await light
+    assert admission.held_by("b") == 1
+    for task in flood:
+        task.cancel()
+    await asyncio.gather(*flood, return_exceptions=True)
+
+
+async def test_without_keys_the_shared_line_is_the_only_bound() -> None:
+    admission = AdmissionController(1, 4, queue_timeout_seconds=5)
+    await admission.acquire(ONE)
+    waiting = [asyncio.create_task(admission.acquire(ONE)) for _ in range(4)]
+    await _until(lambda: admission.queued == 4)
+    with pytest.raises(OverloadedError):
+        await admission.acquire(ONE)
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "sequences"),
+    [
+        ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 4}, 12),
+        ("/v1/completions", {"prompt": [[1, 2], [3]], "n": 2}, 4),
+        ("/v1/completions", {"prompt": [1, 2, 3], "n": 2}, 2),  # one tokenized prompt
+        ("/v1/completions", {"prompt": "a", "n": True}, 1),
+        ("/v1/chat/completions", {"messages": [], "n": 4}, 4),
+        ("/v1/chat/completions", {"messages": [], "prompt": ["a", "b"]}, 1),
+        ("/v1/responses", {"input": "a"}, 1),
+        ("/v1/completions", None, 1),  # not JSON: the route answers 400
+    ],
+)
+def test_a_request_counts_its_prompts_times_n(
+    path: str, body: dict[str, object] | None, sequences: int
+) -> None:
+    from server.api.admission import sequences_of
+
+    raw = json.dumps(body).encode() if body is not None else b"{not json"
+    assert sequences_of(path, {"type": "http.request", "body": raw}) == sequences
+
+
+async def test_render_calls_take_the_render_room_not_the_engines() -> None:
+    admission = AdmissionController(1, 1, queue_timeout_seconds=30)
+    renders = AdmissionController(1, 0, queue_timeout_seconds=30)
+    finish = asyncio.Event()
+
+    async def route(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await finish.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"done"})
+
+    app = AdmissionMiddleware(route, Lifecycle(), admission, renders, RateLimiter({}))
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions/render", "headers": []}
+    first, second = _Client(b"{}"), _Client(b"{}")
+    calls = [asyncio.create_task(app({**scope, "state": {}}, first.receive, first.send))]
+    await _until(lambda: renders.running == 1)
+    assert admission.running == 0
+    await app({**scope, "state": {}}, second.receive, second.send)
+    assert second.status == 503  # no line for renders here: refused at once
+    finish.set()
+    await asyncio.gather(*calls)
+    assert first.status == 200 and renders.idle

@@ -123,6 +123,7 @@ async def test_metrics_endpoint_serves_prometheus_text(client: httpx.AsyncClient
     [
         ("/v1/completions", "/v1/completions"),
         ("/v1/models/x", "/v1/models/{model}"),
+        ("/v1/chat/completions/render", "/v1/chat/completions/render"),
         ("/random/123", "other"),
         ("/v1/completions/extra", "other"),
     ],
