@@ -77,7 +77,9 @@ class AdmissionMiddleware:
                     headers={"Retry-After": _DRAINING_RETRY_AFTER_SECONDS},
                 )
             limit_headers = await self.rate_limiter.admit(request_tenant)
-            ticket = admission.ticket(request_tenant, sequences_of(path, first))
+            # A render call tokenizes once, whatever its n.
+            sequences = sequences_of(path, first) if admission is self.admission else 1
+            ticket = admission.ticket(request_tenant, sequences)
             admitted_receive = await self._take_room(admission, ticket, first, receive)
         except APIError as exc:
             await error_response(exc)(scope, receive, send)
