@@ -73,8 +73,10 @@ def json_format(response_format: ResponseFormat | None) -> JsonFormat | None:
 
 
 def logit_bias(engine: Engine, body: SamplingFields) -> Mapping[int, float] | None:
-    """The request's logit_bias by token id (None when empty); ids outside the target's
-    vocabulary are a 400 naming it (the protocol already checked their form and values)."""
+    """The request's logit_bias by token id, without its entries of 0 (None when nothing is
+    left); ids outside the target's vocabulary are a 400 naming it, zero entries included (the
+    protocol already checked their form and values). A biased request gets no drafts, so a
+    bias of 0, which changes nothing, must not cost the request its speculation."""
     if not body.logit_bias:
         return None
     vocab_size = engine.info().vocab_size
@@ -86,7 +88,8 @@ def logit_bias(engine: Engine, body: SamplingFields) -> Mapping[int, float] | No
             f"got {outside[:5]}",
             param="logit_bias",
         )
-    return MappingProxyType(bias)
+    applied = {token: value for token, value in bias.items() if value != 0}
+    return MappingProxyType(applied) if applied else None
 
 
 def sampling_options(

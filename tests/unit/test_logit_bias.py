@@ -47,6 +47,7 @@ def _error(response: httpx.Response) -> dict[str, Any]:
         ("5", "valid dictionary"),
         # The scripted engine's vocabulary has 1000 tokens.
         ({"1000": -100}, "below the vocabulary size 1000"),
+        ({"1000": 0}, "below the vocabulary size 1000"),  # a no-op entry is still checked
     ],
 )
 async def test_invalid_logit_bias_is_a_400_naming_it_before_any_stream(
@@ -83,6 +84,17 @@ async def test_an_empty_or_null_logit_bias_is_no_bias(
         )
         assert response.status_code == 200, response.text
         assert engine.requests[-1].sampling.logit_bias is None
+
+
+@pytest.mark.parametrize(("path", "extra"), ENDPOINTS)
+async def test_zero_entries_are_dropped_and_an_all_zero_bias_is_no_bias(
+    client: httpx.AsyncClient, engine: ScriptedEngine, path: str, extra: dict[str, Any]
+) -> None:
+    # A biased request gets no drafts: a bias of 0 changes nothing and must not cost that.
+    for bias, sent in (({"0": 0, "2": -100, "7": 0.0}, {2: -100.0}), ({"0": 0, "7": -0.0}, None)):
+        response = await client.post(path, json=_body(extra, logit_bias=bias, max_tokens=3))
+        assert response.status_code == 200, response.text
+        assert engine.requests[-1].sampling.logit_bias == sent
 
 
 @pytest.mark.parametrize(("best_of", "n"), [(3, 1), (1, 2), (2, 3)])
