@@ -20,10 +20,10 @@ comparison).
 The mode comes from the engine's settings (`patching.settings()`): "auto"
 (the controller), "fixed" (K up to a batch-size cut-off, as vLLM's static
 table) and "script" (a forced K sequence, for the losslessness tests). In
-every mode a step holding a request with `logit_bias` runs at K=0
-(`logit_bias.py` says why), and a request's own `max_draft_tokens` (vLLM's
+every mode a request with `logit_bias` gets no drafts, its neighbours in the step keep theirs
+(`logit_bias.py` says why that is safe), and a request's own `max_draft_tokens` (vLLM's
 extra_args, `request_args.MAX_DRAFT_TOKENS_ARG`) caps its drafts: a step whose requests all
-ask for none idles the draft. The policy itself is
+get none idles the draft. The policy itself is
 pure and imports no vLLM. An exception in this glue turns speculation off for
 the rest of the run (`patching.contained`) instead of killing the engine. The patch's
 declaration and this class's name are in autopilot_patch.py (this module imports vLLM as it
@@ -58,6 +58,12 @@ logger = logging.getLogger(__name__)
 
 def _contained(fallback: Any) -> Any:
     return patching.contained(AUTOPILOT, fallback)
+
+
+def _own_cap(request: Any) -> int | None:
+    """The most drafts a request may verify per step by its own parameters: none with
+    logit_bias (vLLM verifies drafts without the bias, logit_bias.py), else its own cap."""
+    return 0 if has_logit_bias(request) else draft_cap(request)
 
 
 def parse_script(text: str) -> list[int]:
@@ -147,7 +153,7 @@ class AutopilotScheduler(Scheduler):
 
     def _speculation_off(self, output: Any) -> None:
         """The safe mode once the autopilot failed: no drafts for the rest of the run (a
-        fixed K could hand drafts to a request with logit_bias)."""
+        fixed K could hand drafts to a request with logit_bias, whose cap is this glue's)."""
         output.num_spec_tokens_to_schedule = 0
         self._decision = None
 
@@ -171,8 +177,8 @@ class AutopilotScheduler(Scheduler):
         self._scheduled_at = time.perf_counter()
 
     def _request_caps(self, request_ids: list[str]) -> dict[str, int]:
-        """The requests that set their own cap on drafts, and the cap."""
-        return {r: c for r in request_ids if (c := draft_cap(self.requests[r])) is not None}
+        """The requests with a cap on drafts, and the cap: their own, or 0 with logit_bias."""
+        return {r: c for r in request_ids if (c := _own_cap(self.requests[r])) is not None}
 
     def _draft_behind(self, output: Any) -> dict[str, int]:
         """Positions each scheduled request's draft would have to catch up on this step
@@ -208,11 +214,6 @@ class AutopilotScheduler(Scheduler):
     ) -> Decision:
         """The step's decision; scheduled: the tokens each request computes in it."""
         request_ids = list(scheduled)
-        if any(has_logit_bias(self.requests[r]) for r in request_ids):
-            # vLLM's rejection sampler does not add logit_bias at verified draft positions, so
-            # no draft may reach a biased request: nothing is proposed at the end of its steps,
-            # and each of its tokens is the plain sampler's, with the bias (see logit_bias.py).
-            return Decision(k=0, reason=IdleReason.LOGIT_BIAS)
         if self._mode == "script":
             k = next(self._script)
             return Decision(k=k, reason=None if k else IdleReason.DISABLED)
@@ -254,9 +255,9 @@ class AutopilotScheduler(Scheduler):
     def _with_request_caps(
         self, decision: Decision, request_ids: list[str], caps: dict[str, int]
     ) -> Decision:
-        """Each request's own cap on top of the step's decision (in every mode; the controller
+        """Each request's cap on top of the step's decision (in every mode; the controller
         also prices the caps). The step's K is the most any request may take, so a step whose
-        requests all ask for none idles the draft."""
+        requests all get none idles the draft (reason logit_bias where one of them is biased)."""
         if not caps or decision.k == 0:
             return decision
         per_request = dict(decision.per_request_k)
@@ -264,7 +265,10 @@ class AutopilotScheduler(Scheduler):
             per_request[request_id] = min(cap, per_request.get(request_id, cap))
         k = min(decision.k, max(per_request.get(r, decision.k) for r in request_ids))
         if k == 0:
-            return Decision(k=0, reason=IdleReason.REQUESTED_OFF)
+            biased = any(has_logit_bias(self.requests[r]) for r in request_ids)
+            return Decision(
+                k=0, reason=IdleReason.LOGIT_BIAS if biased else IdleReason.REQUESTED_OFF
+            )
         return replace(decision, k=k, per_request_k=per_request)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -390,14 +394,24 @@ class AutopilotScheduler(Scheduler):
         super().update_draft_token_ids(draft_token_ids)
         self._cap_drafts(draft_token_ids)
 
-    @_contained(_no_step)
+    def _drop_drafts(self, draft_token_ids: Any) -> None:
+        """Where capping failed: no request keeps a draft (one could be biased)."""
+        for request_id in draft_token_ids.req_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.spec_token_ids = []
+
+    @_contained(_drop_drafts)
     def _cap_drafts(self, draft_token_ids: Any) -> None:
-        """Each request's drafts cut to its cap."""
+        """Each request's drafts cut to its cap; a biased request's to none, whatever the step
+        decided (what keeps drafts away from it, logit_bias.py)."""
         caps = self._decision.per_request_k if self._decision is not None else {}
         for request_id in draft_token_ids.req_ids:
-            cap = caps.get(request_id)
             request = self.requests.get(request_id)
-            if cap is not None and request is not None and len(request.spec_token_ids) > cap:
+            if request is None:
+                continue
+            cap = 0 if has_logit_bias(request) else caps.get(request_id)
+            if cap is not None and len(request.spec_token_ids) > cap:
                 request.spec_token_ids = request.spec_token_ids[:cap]
 
     def _report(self, decision: Decision | None) -> None:

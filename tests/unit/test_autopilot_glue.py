@@ -85,6 +85,19 @@ def test_a_report_without_a_listener_is_kept_for_later(monkeypatch: pytest.Monke
     assert reporter._unsent is not None
 
 
+def test_a_request_s_idle_reason_never_names_a_neighbour_s_parameters() -> None:
+    engine = object.__new__(VllmEngine)
+    # vLLM's counts of a sequence that verified no draft in its 3 steps after the prefill.
+    counts = SimpleNamespace(
+        histogram=[0], num_spec_tokens=3, num_draft_tokens=0, per_step_drafted=[]
+    )
+    server_wide = Counter(logit_bias=5, requested_off=4, not_paying=1)
+    engine._feed = SimpleNamespace(idle_reasons=lambda: server_wide)
+    assert engine._speculation_stats(counts, 4, Counter()).idle_reason == "not_paying"
+    del server_wide["not_paying"]
+    assert engine._speculation_stats(counts, 4, Counter()).idle_reason is None
+
+
 def test_script_parsing() -> None:
     assert autopilot_scheduler.parse_script("0x2,3,1x3") == [0, 0, 3, 1, 1, 1]
 
@@ -178,7 +191,8 @@ def _capped_scheduler(caps: dict[str, int | None]) -> autopilot_scheduler.Autopi
     scheduler.requests = {
         r: SimpleNamespace(
             sampling_params=SimpleNamespace(
-                extra_args=None if cap is None else {request_args.MAX_DRAFT_TOKENS_ARG: cap}
+                extra_args=None if cap is None else {request_args.MAX_DRAFT_TOKENS_ARG: cap},
+                logit_bias=None,
             )
         )
         for r, cap in caps.items()
