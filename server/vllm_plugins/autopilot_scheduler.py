@@ -25,7 +25,8 @@ every mode a request with `logit_bias` gets no drafts, its neighbours in the ste
 extra_args, `request_args.MAX_DRAFT_TOKENS_ARG`) caps its drafts: a step whose requests all
 get none idles the draft. The policy itself is
 pure and imports no vLLM. An exception in this glue turns speculation off for
-the rest of the run (`patching.contained`) instead of killing the engine. The patch's
+the rest of the run (`patching.contained`), lookups included, instead of killing the engine
+(a failure of the lookups alone turns only them off, scheduler_lookups.py). The patch's
 declaration and this class's name are in autopilot_patch.py (this module imports vLLM as it
 loads; the API process never imports it).
 """
@@ -137,7 +138,7 @@ class AutopilotScheduler(Scheduler):
         )
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        lookups = self._lookups
+        lookups = self._lookups_in_force()
         if lookups is not None:
             lookups.propose(self.running, self.structured_output_manager.validate_tokens)
         output = super().schedule(*args, **kwargs)
@@ -147,9 +148,16 @@ class AutopilotScheduler(Scheduler):
         return output
 
     def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
-        if self._lookups is not None:
-            self._lookups.finished(request)
+        lookups = self._lookups_in_force()
+        if lookups is not None:
+            lookups.finished(request)
         return super()._free_request(request, *args, **kwargs)
+
+    def _lookups_in_force(self) -> SchedulerLookups | None:
+        """The lookups while the autopilot runs: its failure stops them with the drafts, one
+        containment for everything this scheduler proposes (the autopilot's other paths that
+        use them are contained already)."""
+        return None if patching.failed(AUTOPILOT) else self._lookups
 
     def _speculation_off(self, output: Any) -> None:
         """The safe mode once the autopilot failed: no drafts for the rest of the run (a

@@ -98,6 +98,37 @@ def test_a_request_s_idle_reason_never_names_a_neighbour_s_parameters() -> None:
     assert engine._speculation_stats(counts, 4, Counter()).idle_reason is None
 
 
+def test_a_failed_autopilot_stops_the_lookups_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(patching, "_failed", set())
+    monkeypatch.delenv(patching.SETTINGS_ENV, raising=False)  # no front end to report to
+    calls: list[str] = []
+    output = SimpleNamespace(
+        num_scheduled_tokens={"a": 1},
+        scheduled_spec_decode_tokens={},
+        num_spec_tokens_to_schedule=3,
+    )
+    monkeypatch.setattr(autopilot_scheduler.Scheduler, "schedule", lambda self: output)
+    monkeypatch.setattr(autopilot_scheduler.Scheduler, "_free_request", lambda self, request: None)
+    scheduler = object.__new__(autopilot_scheduler.AutopilotScheduler)
+    scheduler.running = []
+    scheduler.structured_output_manager = SimpleNamespace(validate_tokens=None)
+    scheduler._lookups = SimpleNamespace(
+        propose=lambda running, validate: calls.append("propose"),
+        scheduled=lambda tokens: calls.append("scheduled"),
+        finished=lambda request: calls.append("finished"),
+    )
+    scheduler._free_request(object())
+    # The step's decision fails (the scheduler lacks its state): the autopilot is contained.
+    assert scheduler.schedule() is output
+    assert output.num_spec_tokens_to_schedule == 0
+    assert calls == ["finished", "propose", "scheduled"]
+    output.num_spec_tokens_to_schedule = 3
+    scheduler.schedule()
+    scheduler._free_request(object())
+    assert output.num_spec_tokens_to_schedule == 0
+    assert calls == ["finished", "propose", "scheduled"]  # no lookups since
+
+
 def test_script_parsing() -> None:
     assert autopilot_scheduler.parse_script("0x2,3,1x3") == [0, 0, 3, 1, 1, 1]
 
