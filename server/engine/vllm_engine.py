@@ -630,7 +630,7 @@ class VllmEngine:
         if self._feed is None or idle_before is None or stats.steps_by_k.get(0, 0) == 0:
             return stats
         idle = self._feed.idle_reasons() - idle_before
-        for reason in NEIGHBOURS_OWN:
-            del idle[reason]
+        for neighbours in NEIGHBOURS_OWN:
+            del idle[neighbours]
         reason = idle.most_common(1)[0][0] if idle else None
         return replace(stats, idle_reason=reason)

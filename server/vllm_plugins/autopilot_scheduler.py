@@ -9,7 +9,8 @@ each request's draft has seen its tokens (the draft idles at K=0), so the
 policy can price the catch-up. After the step it feeds the policy what it
 measured: the step's duration and shape (cost model) and each request's
 accepted draft prefix (acceptance). Totals go to the front end
-through `autopilot_report`.
+through `autopilot_report`, one bounded report per step: what it holds by batch size, only
+for the `REPORT_BATCH_SIZES` batch sizes nearest the step's.
 
 With the hybrid proposer (`--speculative-method hybrid`) lookups (scheduler_lookups.py) may
 replace the draft's proposals before vLLM schedules the step; a step whose requests all verify
@@ -36,7 +37,7 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Any, TextIO
 
@@ -59,6 +60,17 @@ logger = logging.getLogger(__name__)
 
 def _contained(fallback: Any) -> Any:
     return patching.contained(AUTOPILOT, fallback)
+
+
+# Batch sizes whose measurements a report carries: with K+1 step shapes per batch size, the
+# report stays a few KiB whatever max_num_seqs lets the batch grow to.
+REPORT_BATCH_SIZES = 16
+
+
+def _near(batch: int, sizes: Iterable[int]) -> set[int]:
+    """The REPORT_BATCH_SIZES of `sizes` nearest `batch` (the smaller of two as near)."""
+    nearest = sorted(set(sizes), key=lambda size: (abs(size - batch), size))
+    return set(nearest[:REPORT_BATCH_SIZES])
 
 
 def _own_cap(request: Any) -> int | None:
@@ -302,7 +314,7 @@ class AutopilotScheduler(Scheduler):
             self._acceptance.forget(request_id)
             del self._draft_seen[request_id]
         if step is not None:
-            self._report(decision)
+            self._report(decision, step.batch_size)
 
     @_contained(_no_step)
     def _observe(
@@ -422,8 +434,12 @@ class AutopilotScheduler(Scheduler):
             if cap is not None and len(request.spec_token_ids) > cap:
                 request.spec_token_ids = request.spec_token_ids[:cap]
 
-    def _report(self, decision: Decision | None) -> None:
+    def _report(self, decision: Decision | None, batch: int) -> None:
         rates = self._acceptance.position_rates()
+        end_to_end = self._controller.end_to_end_speedups
+        realised = self._controller.realised_fractions
+        spread = self._cost.spread()  # by "BxK"
+        shown = _near(batch, [*end_to_end, *realised, *(int(s.split("x")[0]) for s in spread)])
         report: SchedulerReport = {
             "mode": self._mode,
             "k": decision.k if decision else 0,
@@ -432,12 +448,10 @@ class AutopilotScheduler(Scheduler):
             "predicted_speedup": decision.predicted_speedup if decision else 1.0,
             "measured_speedup": self._measured_speedup,
             "end_to_end_speedup_by_batch": {
-                str(batch): speedup
-                for batch, speedup in self._controller.end_to_end_speedups.items()
+                str(size): speedup for size, speedup in end_to_end.items() if size in shown
             },
             "realised_fraction_by_batch": {
-                str(batch): fraction
-                for batch, fraction in self._controller.realised_fractions.items()
+                str(size): fraction for size, fraction in realised.items() if size in shown
             },
             "steps_by_k": {str(k): n for k, n in self._steps_by_k.items()},
             "zero_steps_by_reason": dict(self._zero_steps_by_reason),
@@ -453,7 +467,9 @@ class AutopilotScheduler(Scheduler):
             # What one plain target step costs a lone request: the draft's price per
             # position reads as a fraction of it.
             "plain_step_seconds": self._cost.predict(1, 0) if self._cost.ready else None,
-            "step_spread_by_shape": self._cost.spread(),
+            "step_spread_by_shape": {
+                shape: value for shape, value in spread.items() if int(shape.split("x")[0]) in shown
+            },
             "verified_by_source": {"draft": self._draft_verified.as_dict()},
         }
         if self._lookups is not None:
