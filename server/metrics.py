@@ -211,6 +211,14 @@ LOOKUP_INDEX_TOKENS = Gauge(
     "Tokens of recent replies held for lookups (--lookup-index-tokens bounds it)",
     ["model"],
 )  # fmt: skip
+AUTOPILOT_REPORTS_DROPPED = Counter(
+    "specserve_autopilot_reports_dropped_total",
+    "Reports of vLLM's engine processes to the front end that were dropped: unsent (the "
+    "sender could not send it, over the size cap or refused) or unreadable (the front end "
+    "could not read it); the next report carries the totals again "
+    "(server/engine/autopilot_feed.py)",
+    ["model", "reason"],
+)
 VLLM_PATCH_FAILURES = Counter(
     "specserve_vllm_patch_failures_total",
     "Engine processes where a specserve patch of vLLM raised and was handed back to vLLM's "

@@ -1,10 +1,12 @@
 """ASGI middleware: `Authorization: Bearer <key>` on the API routes.
 
 Health and metrics stay open (metrics only while `metrics_need_key` is off)
-so probes and scrapers need no secret. The API's documentation (/docs,
-/openapi.json) needs a key like the API unless `public_docs`. The tenant of
-the key, or "anonymous" when no keys are configured, goes into the request's
-context (context.py) for metrics and rate limits.
+so probes and scrapers need no secret; on an open path a valid key still
+counts, and only its holder sees /health's details (`key_holder` in the
+context). The API's documentation (/docs, /openapi.json) needs a key like the
+API unless `public_docs`. The tenant of the key, or "anonymous" when no keys
+are configured or none was needed, goes into the request's context
+(context.py) for metrics and rate limits.
 """
 
 from starlette.requests import Request
@@ -13,7 +15,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from server.api.context import context_of, request_context
 from server.api.replies import error_response
 from server.errors import AuthenticationError
-from server.metrics import ANONYMOUS_TENANT
 from server.traffic.api_keys import ApiKeys
 
 # FastAPI's interactive documentation and the schema it reads.
@@ -40,10 +41,12 @@ class ApiKeyMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        tenant = ANONYMOUS_TENANT
-        if self.keys is not None and self._protected(scope["path"]):
+        context = context_of(scope)
+        if self.keys is None:
+            context.key_holder = True
+        else:
             found = self.keys.ring.tenant_for(_bearer(Request(scope)))
-            if found is None:
+            if found is None and self._protected(scope["path"]):
                 response = error_response(
                     AuthenticationError(
                         "Incorrect or missing API key: send `Authorization: Bearer <key>`"
@@ -51,8 +54,8 @@ class ApiKeyMiddleware:
                 )
                 await response(scope, receive, send)
                 return
-            tenant = found
-        context_of(scope).tenant = tenant
+            if found is not None:
+                context.tenant, context.key_holder = found, True
         await self.app(scope, receive, send)
 
 

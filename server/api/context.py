@@ -23,6 +23,9 @@ class RequestContext:
     # end-to-end latency count from here, and its deadline too.
     arrival: float = field(default_factory=time.perf_counter)
     tenant: str = ANONYMOUS_TENANT  # the API key's tenant, set by the auth middleware
+    # Keys are off, or the request presented a valid one (set by the auth middleware): what
+    # open routes show beyond their status is for key holders.
+    key_holder: bool = False
     # The generation's token accounting, once a route has one; the admission middleware
     # charges its tokens to the tenant's rate limit when the request ends.
     observer: RequestObserver | None = None

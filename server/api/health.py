@@ -9,7 +9,8 @@ dtype was chosen, how the engine runs speculation inside vLLM (vLLM's own or
 with specserve's patches, its model runner, scheduling mode and patches in
 force, and why), what its processes hold against the weights and KV cache
 planned, and what the speculation autopilot measured and decided last
-(`details`).
+(`details`), to key holders only when API keys are on: probes get the status, and what
+the autopilot measured is shaped by every tenant's traffic.
 """
 
 import asyncio
@@ -18,6 +19,7 @@ from dataclasses import asdict
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from server.api.context import request_context
 from server.api.deps import EngineDep
 from server.api.replies import error_responses
 from server.errors import EngineUnavailableError, ShuttingDownError
@@ -27,9 +29,11 @@ router = APIRouter()
 
 
 @router.get("/health", responses=error_responses(503))
-async def health(engine: EngineDep) -> JSONResponse:
+async def health(request: Request, engine: EngineDep) -> JSONResponse:
     if not await engine.check_health():
         raise EngineUnavailableError("the engine is not healthy")
+    if not request_context(request).key_holder:
+        return JSONResponse({"status": "ok"})
     info = engine.info()
     details = {
         "model": info.model_name,

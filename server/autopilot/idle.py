@@ -12,6 +12,6 @@ class IdleReason(StrEnum):
     PREFILL = "prefill"  # every request of the step prefills, after steps of more requests
     CALIBRATING = "calibrating"  # measuring plain steps at a batch size
     DISABLED = "disabled"  # no speculation on this server
-    LOGIT_BIAS = "logit_bias"  # a request with logit_bias is in the step: it must get no drafts
+    LOGIT_BIAS = "logit_bias"  # the request has logit_bias (no drafts), as all of the step's had
     REQUESTED_OFF = "requested_off"  # every request asked for none (max_draft_tokens 0)
     LOOKUP = "lookup"  # every request of the step verifies looked-up tokens: no draft needed

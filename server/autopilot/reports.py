@@ -1,11 +1,16 @@
 """The reports vLLM's engine processes send the front end, typed once for both ends: the
 scheduler's (server/vllm_plugins/autopilot_scheduler.py) and the draft worker's
 (server/vllm_plugins/draft_sync.py) as sent, and as the feed (feed.py) reads them. Totals are
-cumulative since the process started; each datagram also carries its `source`.
+cumulative since the process started; each datagram also carries its `source` and how many
+of the sender's reports were dropped unsent (`dropped_reports`).
 """
 
 from dataclasses import dataclass
 from typing import NotRequired, TypedDict
+
+# The largest report a sender sends and the front end reads whole (one Unix datagram). The
+# scheduler's stays far below it at any max_num_seqs (its per-batch entries are bounded).
+MAX_REPORT_BYTES = 65536
 
 
 class VerifiedCounts(TypedDict):

@@ -4,7 +4,10 @@ process).
 Binds the Unix datagram socket that `server.vllm_plugins.autopilot_report` sends to,
 keeps the latest cumulative report of each source (the scheduler, the draft
 worker, each engine process's failed vLLM patches), and turns them into the
-autopilot's Prometheus series. Serving code asks it which K=0 reasons applied
+autopilot's Prometheus series. A datagram it cannot read whole (over
+`reports.MAX_REPORT_BYTES`, not JSON, not a report) is dropped and counted, as are the
+reports the senders counted dropped (`specserve_autopilot_reports_dropped_total`); the next
+report carries the totals again. Serving code asks it which K=0 reasons applied
 while a request ran. No vLLM import.
 """
 
@@ -19,7 +22,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from server import metrics
-from server.autopilot.reports import DraftReport, SchedulerReport
+from server.autopilot.reports import MAX_REPORT_BYTES, DraftReport, SchedulerReport
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +39,7 @@ class AutopilotFeed:
         self._socket.setblocking(False)
         self._latest: dict[str, dict[str, Any]] = {}
         self._counted: dict[tuple[str, str], float] = {}
+        self._unreadable = 0
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
@@ -54,15 +58,18 @@ class AutopilotFeed:
         so a request that just finished sees the reports of its last step)."""
         while True:
             try:
-                data = self._socket.recv(65536)
-            except (BlockingIOError, OSError):
+                # One byte more than a report may hold: a longer datagram shows, truncated.
+                data = self._socket.recv(MAX_REPORT_BYTES + 1)
+            except OSError:  # BlockingIOError: nothing pending
                 return
-            try:
-                report = json.loads(data)
-            except ValueError:
-                logger.warning("autopilot: unreadable report dropped")
+            report = _report(data)
+            if report is None:
+                if not self._unreadable:
+                    logger.warning("autopilot: an unreadable report dropped (and counted)")
+                self._unreadable += 1
+                metrics.AUTOPILOT_REPORTS_DROPPED.labels(self._model, "unreadable").inc()
                 continue
-            self._latest[report.get("source", "")] = report
+            self._latest[report["source"]] = report
             self._publish(report)
 
     def scheduler(self) -> dict[str, Any]:
@@ -82,7 +89,9 @@ class AutopilotFeed:
         return Counter(self.scheduler().get("zero_steps_by_reason", {}))
 
     def _publish(self, report: dict[str, Any]) -> None:
-        source = report.get("source", "")
+        source = report["source"]
+        dropped = metrics.AUTOPILOT_REPORTS_DROPPED.labels(self._model, "unsent")
+        self._count(dropped, ("dropped", source), report.get("dropped_reports", 0))
         if source == "scheduler":
             self._publish_scheduler(cast(SchedulerReport, report))
         elif source == "draft":
@@ -126,3 +135,16 @@ class AutopilotFeed:
         if growth > 0:
             child.inc(growth)
             self._counted[key] = total
+
+
+def _report(data: bytes) -> dict[str, Any] | None:
+    """A datagram as a report: a JSON object naming its source, whole (None: unreadable)."""
+    if len(data) > MAX_REPORT_BYTES:
+        return None
+    try:
+        report = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(report, dict) or not isinstance(report.get("source"), str):
+        return None
+    return report

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from server.autopilot.idle import IdleReason
 from server.config import DRAFT_METHODS
 from server.engine.autopilot_feed import AutopilotFeed
 from server.engine.calibration import calibrate
@@ -45,6 +46,11 @@ from server.errors import EngineUnavailableError, InternalError, InvalidRequestE
 from server.vllm_plugins import autopilot_patch, patching, registry, vllm_source
 
 logger = logging.getLogger(__name__)
+
+# Step reasons that only a request's own parameters cause: a step idles for them only when
+# every request in it asked for no drafts or carried logit_bias, so a request without either
+# never ran in one, and the server's counts of them would name a neighbour's parameters.
+NEIGHBOURS_OWN = (IdleReason.LOGIT_BIAS, IdleReason.REQUESTED_OFF)
 
 # Fill-in-the-middle tokens (prefix, suffix, middle) as code models spell them; a target
 # whose tokenizer has one of these sets serves `suffix` on /v1/completions.
@@ -615,11 +621,16 @@ class VllmEngine:
     def _speculation_stats(
         self, metrics: Any, tokens: int, idle_before: Counter[str] | None
     ) -> SpeculationStats:
-        """vLLM's per-sequence counts, the K of each of its steps, and why the
-        draft idled while it ran (the autopilot's reasons over its lifetime)."""
+        """vLLM's per-sequence counts, the K of each of its steps, and why the draft idled
+        while it ran: the most frequent of the autopilot's step reasons over its lifetime.
+        Those counters are the server's, so the reasons that a neighbour's own parameters
+        caused are left out (`NEIGHBOURS_OWN`): the serving layer says those from the
+        request's own."""
         stats = speculation_stats(metrics, tokens)
         if self._feed is None or idle_before is None or stats.steps_by_k.get(0, 0) == 0:
             return stats
         idle = self._feed.idle_reasons() - idle_before
+        for neighbours in NEIGHBOURS_OWN:
+            del idle[neighbours]
         reason = idle.most_common(1)[0][0] if idle else None
         return replace(stats, idle_reason=reason)

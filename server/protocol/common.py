@@ -204,7 +204,8 @@ class SpeculationSummary(BaseModel):
 
     applied: bool
     # Why no draft was verified: disabled, not_paying, batch_too_large,
-    # calibrating, too_short, prefill, logit_bias or requested_off; None when applied.
+    # calibrating, too_short, prefill, lookup, logit_bias (its own) or requested_off; None when
+    # applied.
     reason: str | None = None
     mode: str | None = None  # auto (the autopilot picks K per step) or fixed
     method: str | None = None

@@ -161,9 +161,7 @@ async def complete(engine: Engine, prepared: PreparedChat) -> ChatCompletionResp
         model=prepared.model,
         choices=choices,
         usage=usage(observer),
-        speculation=speculation_summary(
-            engine, observer, prepared.request.sampling.max_draft_tokens
-        ),
+        speculation=speculation_summary(engine, observer, prepared.request.sampling),
     )
 
 
@@ -247,7 +245,5 @@ async def stream(engine: Engine, prepared: PreparedChat) -> AsyncIterator[str]:
         yield chunk(
             [],
             usage=usage(observer),
-            speculation=speculation_summary(
-                engine, observer, prepared.request.sampling.max_draft_tokens
-            ),
+            speculation=speculation_summary(engine, observer, prepared.request.sampling),
         )

@@ -73,8 +73,10 @@ def json_format(response_format: ResponseFormat | None) -> JsonFormat | None:
 
 
 def logit_bias(engine: Engine, body: SamplingFields) -> Mapping[int, float] | None:
-    """The request's logit_bias by token id (None when empty); ids outside the target's
-    vocabulary are a 400 naming it (the protocol already checked their form and values)."""
+    """The request's logit_bias by token id, without its entries of 0 (None when nothing is
+    left); ids outside the target's vocabulary are a 400 naming it, zero entries included (the
+    protocol already checked their form and values). A biased request gets no drafts, so a
+    bias of 0, which changes nothing, must not cost the request its speculation."""
     if not body.logit_bias:
         return None
     vocab_size = engine.info().vocab_size
@@ -86,7 +88,8 @@ def logit_bias(engine: Engine, body: SamplingFields) -> Mapping[int, float] | No
             f"got {outside[:5]}",
             param="logit_bias",
         )
-    return MappingProxyType(bias)
+    applied = {token: value for token, value in bias.items() if value != 0}
+    return MappingProxyType(applied) if applied else None
 
 
 def sampling_options(
@@ -302,19 +305,19 @@ def usage(observer: RequestObserver) -> Usage:
 
 
 def speculation_summary(
-    engine: Engine, observer: RequestObserver, max_draft_tokens: int | None
+    engine: Engine, observer: RequestObserver, sampling: SamplingOptions
 ) -> SpeculationSummary:
     """What speculation did for this request, from vLLM's per-sequence counts.
 
-    When no draft was verified, `reason` says why: "disabled" (no speculation
-    on this server), the autopilot's reason for idling the draft while the
-    request ran ("not_paying", "batch_too_large", "calibrating", "prefill": every
-    request of the step was prefilling after steps of more requests, "too_short":
-    too few tokens left to pay back the draft catching up on the prompt,
-    "logit_bias": the request or a neighbour carried one, which drafts must not
-    reach), "requested_off" (the request's `speculation.max_draft_tokens` is 0), or
-    "too_short" also when the output ended before a draft could be
-    verified.
+    When no draft was verified, `reason` says why, from the request's own parameters first:
+    "disabled" (no speculation on this server), "requested_off" (its
+    `speculation.max_draft_tokens` is 0), "logit_bias" (it carried one, which drafts must not
+    reach); else the autopilot's reason for idling the draft while the request ran
+    ("not_paying", "batch_too_large", "calibrating", "lookup", "prefill": every request of
+    the step was prefilling after steps of more requests, "too_short": too few tokens left to
+    pay back the draft catching up on the prompt), or "too_short" also when the output ended
+    before a draft could be verified. A neighbour's logit_bias or cap never idles this
+    request's steps, and its reason never names them (the engine's `idle_reason`).
     """
     config = engine.info().speculation
     if config is None:
@@ -343,8 +346,10 @@ def speculation_summary(
         mean_acceptance_length=1 + accepted / drafts if drafts else None,
         steps_by_k={str(k): n for k, n in sorted(steps_by_k.items())},
     )
-    if not drafts and max_draft_tokens == 0:
+    if not drafts and sampling.max_draft_tokens == 0:
         summary.reason = IdleReason.REQUESTED_OFF  # whatever its neighbours' steps did
+    elif not drafts and sampling.logit_bias:
+        summary.reason = IdleReason.LOGIT_BIAS  # its own bias kept drafts away from it
     elif not drafts:
         reasons = Counter(s.idle_reason for s in stats if s.idle_reason is not None)
         summary.reason = reasons.most_common(1)[0][0] if reasons else IdleReason.TOO_SHORT

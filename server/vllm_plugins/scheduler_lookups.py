@@ -11,7 +11,8 @@ measured: at a batch size where steps verifying lookups made fewer tokens per se
 plain steps, none are proposed until that evidence fades (end_to_end.py). Calibration
 requests, requests with logit_bias and requests that capped their drafts at 0 get no lookups.
 An exception here turns lookups off for the rest of the process (`patching.contained`);
-the draft goes on alone. `LOOKUP` declares the patch for the registry.
+the draft goes on alone. A failure of the autopilot turns them off too (the scheduler stops
+calling them): nothing is proposed past it. `LOOKUP` declares the patch for the registry.
 """
 
 import time

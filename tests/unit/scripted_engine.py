@@ -78,6 +78,8 @@ class ScriptedEngine:
         self.rendered_messages: list[dict[str, Any]] = []
         self.rendered_tools: list[dict[str, Any]] | None = None
         self.prompts: list[tuple[str | None, list[int]]] = []  # (tenant, prompt) seen
+        self.speculation = SCRIPTED_SPECULATION  # what each sequence reports on its last output
+        self.autopilot: dict[str, Any] | None = None  # autopilot_state()
 
     def info(self) -> EngineInfo:
         return EngineInfo(
@@ -95,7 +97,7 @@ class ScriptedEngine:
         return None
 
     def autopilot_state(self) -> dict[str, Any] | None:
-        return None
+        return self.autopilot
 
     def tokenize(self, text: str) -> list[int]:
         return [len(word) for word in text.split()]
@@ -193,7 +195,7 @@ class ScriptedEngine:
                     if options.logprobs is not None:
                         alternatives = [(word, -0.5), ("other", -1.5)][: options.logprobs]
                         logprobs = [TokenLogprob(word, -0.5, alternatives)]
-                    speculation = SCRIPTED_SPECULATION if finish is not None else None
+                    speculation = self.speculation if finish is not None else None
                     choices.append(
                         ChoiceDelta(index, text, [token_id], logprobs, finish, speculation)
                     )

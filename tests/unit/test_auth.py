@@ -91,6 +91,30 @@ async def test_health_stays_open_and_metrics_follow_the_flag(
     assert response.status_code == 200
 
 
+async def test_health_gives_probes_the_status_and_its_details_to_key_holders() -> None:
+    engine = ScriptedEngine()
+    engine.autopilot = {"k": 3, "zero_steps_by_reason": {"logit_bias": 2}}
+    app = create_app(engine, api_keys=ApiKeys(KeyRing(KEYS)))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        for headers in ({}, bearer("sk-wrong")):
+            response = await client.get("/health", headers=headers)
+            assert (response.status_code, response.json()) == (200, {"status": "ok"})
+        response = await client.get("/health", headers=bearer("sk-beta-9876543210"))
+        assert response.status_code == 200
+        assert response.json()["details"]["autopilot"] == engine.autopilot
+        engine.healthy = False
+        assert (await client.get("/health")).status_code == 503
+
+
+async def test_without_keys_health_shows_its_details(
+    client: httpx.AsyncClient, engine: ScriptedEngine
+) -> None:
+    engine.autopilot = {"k": 3}
+    details = (await client.get("/health")).json()["details"]
+    assert (details["model"], details["autopilot"]) == ("scripted", {"k": 3})
+
+
 async def test_refusals_are_counted(keyed: tuple[httpx.AsyncClient, bool]) -> None:
     client, _ = keyed
     labels = {"endpoint": "/v1/completions", "status": "401"}

@@ -2,8 +2,10 @@
 processes reach the front end's metrics, and the engine falls back to fixed K
 where vLLM lacks the hooks."""
 
+import errno
 import json
 import logging
+import socket
 from collections import Counter
 from dataclasses import replace
 from importlib import metadata
@@ -17,7 +19,7 @@ from server.autopilot.acceptance import AcceptanceTracker
 from server.autopilot.end_to_end import EndToEnd
 from server.autopilot.idle import IdleReason
 from server.autopilot.lookup import Proposal
-from server.autopilot.reports import Verified
+from server.autopilot.reports import MAX_REPORT_BYTES, Verified
 from server.engine.autopilot_feed import AutopilotFeed
 from server.engine.vllm_engine import EngineConfig, VllmEngine
 from server.vllm_plugins import autopilot_scheduler, patching, registry, request_args, vllm_source
@@ -83,6 +85,115 @@ def test_a_report_without_a_listener_is_kept_for_later(monkeypatch: pytest.Monke
     reporter = Reporter("draft", patching.report_socket())
     reporter.send({"draft_forward_passes": 1})
     assert reporter._unsent is not None
+
+
+def test_a_request_s_idle_reason_never_names_a_neighbour_s_parameters() -> None:
+    engine = object.__new__(VllmEngine)
+    # vLLM's counts of a sequence that verified no draft in its 3 steps after the prefill.
+    counts = SimpleNamespace(
+        histogram=[0], num_spec_tokens=3, num_draft_tokens=0, per_step_drafted=[]
+    )
+    server_wide = Counter(logit_bias=5, requested_off=4, not_paying=1)
+    engine._feed = SimpleNamespace(idle_reasons=lambda: server_wide)
+    assert engine._speculation_stats(counts, 4, Counter()).idle_reason == "not_paying"
+    del server_wide["not_paying"]
+    assert engine._speculation_stats(counts, 4, Counter()).idle_reason is None
+
+
+def test_a_failed_autopilot_stops_the_lookups_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(patching, "_failed", set())
+    monkeypatch.delenv(patching.SETTINGS_ENV, raising=False)  # no front end to report to
+    calls: list[str] = []
+    output = SimpleNamespace(
+        num_scheduled_tokens={"a": 1},
+        scheduled_spec_decode_tokens={},
+        num_spec_tokens_to_schedule=3,
+    )
+    monkeypatch.setattr(autopilot_scheduler.Scheduler, "schedule", lambda self: output)
+    monkeypatch.setattr(autopilot_scheduler.Scheduler, "_free_request", lambda self, request: None)
+    scheduler = object.__new__(autopilot_scheduler.AutopilotScheduler)
+    scheduler.running = []
+    scheduler.structured_output_manager = SimpleNamespace(validate_tokens=None)
+    scheduler._lookups = SimpleNamespace(
+        propose=lambda running, validate: calls.append("propose"),
+        scheduled=lambda tokens: calls.append("scheduled"),
+        finished=lambda request: calls.append("finished"),
+    )
+    scheduler._free_request(object())
+    # The step's decision fails (the scheduler lacks its state): the autopilot is contained.
+    assert scheduler.schedule() is output
+    assert output.num_spec_tokens_to_schedule == 0
+    assert calls == ["finished", "propose", "scheduled"]
+    output.num_spec_tokens_to_schedule = 3
+    scheduler.schedule()
+    scheduler._free_request(object())
+    assert output.num_spec_tokens_to_schedule == 0
+    assert calls == ["finished", "propose", "scheduled"]  # no lookups since
+
+
+async def test_a_report_that_cannot_be_sent_or_read_is_dropped_and_counted() -> None:
+    feed = AutopilotFeed("drop-model")
+    feed.start()
+    reporter = Reporter("draft", feed.path)
+    totals = {"draft_forward_passes": 1, "draft_caught_up_tokens": 0}
+
+    def dropped(reason: str) -> float | None:
+        return _value(
+            "specserve_autopilot_reports_dropped_total", model="drop-model", reason=reason
+        )
+
+    class RefusingSocket:
+        def sendto(self, data: bytes, path: str) -> None:
+            raise OSError(errno.EMSGSIZE, "Message too long")
+
+    try:
+        reporter.send({**totals, "padding": "x" * MAX_REPORT_BYTES})  # over the cap
+        reporter.send({**totals, "not_json": object()})
+        real_socket, reporter._socket = reporter._socket, RefusingSocket()  # type: ignore[assignment]
+        reporter.send(totals)
+        reporter._socket = real_socket
+        assert reporter.dropped == 3
+        assert feed.draft() == {}  # none of them arrived
+        reporter.send(totals)  # the next one carries the count
+        assert feed.draft()["dropped_reports"] == 3
+        assert dropped("unsent") == 3
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as raw:
+            for data in (b"{not json", b"[1]", b"{}", b" " * (MAX_REPORT_BYTES + 1)):
+                raw.sendto(data, feed.path)
+        feed.drain()
+        assert dropped("unreadable") == 4
+        assert feed.draft()["dropped_reports"] == 3
+    finally:
+        feed.close()
+
+
+def test_a_scheduler_report_holds_the_batch_sizes_nearest_the_step_s_at_any_batch() -> None:
+    scheduler = object.__new__(autopilot_scheduler.AutopilotScheduler)
+    sizes = range(1, 1025)  # what max_num_seqs 1024 lets the controller measure
+    scheduler._mode = "auto"
+    scheduler._acceptance = AcceptanceTracker(8)
+    scheduler._controller = SimpleNamespace(
+        end_to_end_speedups=dict.fromkeys(sizes, 1.25),
+        realised_fractions=dict.fromkeys(sizes, 0.75),
+    )
+    scheduler._cost = SimpleNamespace(
+        ready=False, spread=lambda: {f"{b}x{k}": 0.125 for b in sizes for k in range(9)}
+    )
+    scheduler._measured_speedup = None
+    scheduler._steps_by_k = Counter({0: 3, 8: 5})
+    scheduler._zero_steps_by_reason = Counter(not_paying=3)
+    scheduler._draft_verified = Verified()
+    scheduler._lookups = None
+    sent: list[dict[str, Any]] = []
+    scheduler._reporter = SimpleNamespace(send=sent.append)
+    scheduler._report(autopilot_scheduler.Decision(k=8), 600)
+    report = sent[-1]
+    near = {str(b) for b in range(592, 608)}  # the 16 nearest 600, the smaller of a tie first
+    assert set(report["end_to_end_speedup_by_batch"]) == near
+    assert set(report["realised_fraction_by_batch"]) == near
+    assert {shape.split("x")[0] for shape in report["step_spread_by_shape"]} == near
+    assert len(report["step_spread_by_shape"]) == 16 * 9
+    assert len(json.dumps(report)) < MAX_REPORT_BYTES // 8
 
 
 def test_script_parsing() -> None:
@@ -178,7 +289,8 @@ def _capped_scheduler(caps: dict[str, int | None]) -> autopilot_scheduler.Autopi
     scheduler.requests = {
         r: SimpleNamespace(
             sampling_params=SimpleNamespace(
-                extra_args=None if cap is None else {request_args.MAX_DRAFT_TOKENS_ARG: cap}
+                extra_args=None if cap is None else {request_args.MAX_DRAFT_TOKENS_ARG: cap},
+                logit_bias=None,
             )
         )
         for r, cap in caps.items()

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from server.engine import logit_bias as request_checks
-from server.engine.contract import SamplingOptions
+from server.engine.contract import SamplingOptions, SpeculationStats
 from server.engine.vllm_outputs import sampling_params
 from server.vllm_plugins import autopilot_scheduler, logit_bias, patching, registry, vllm_source
 from tests.patch_probes import original_of
@@ -47,6 +47,7 @@ def _error(response: httpx.Response) -> dict[str, Any]:
         ("5", "valid dictionary"),
         # The scripted engine's vocabulary has 1000 tokens.
         ({"1000": -100}, "below the vocabulary size 1000"),
+        ({"1000": 0}, "below the vocabulary size 1000"),  # a no-op entry is still checked
     ],
 )
 async def test_invalid_logit_bias_is_a_400_naming_it_before_any_stream(
@@ -83,6 +84,40 @@ async def test_an_empty_or_null_logit_bias_is_no_bias(
         )
         assert response.status_code == 200, response.text
         assert engine.requests[-1].sampling.logit_bias is None
+
+
+@pytest.mark.parametrize(("path", "extra"), ENDPOINTS)
+async def test_zero_entries_are_dropped_and_an_all_zero_bias_is_no_bias(
+    client: httpx.AsyncClient, engine: ScriptedEngine, path: str, extra: dict[str, Any]
+) -> None:
+    # A biased request gets no drafts: a bias of 0 changes nothing and must not cost that.
+    for bias, sent in (({"0": 0, "2": -100, "7": 0.0}, {2: -100.0}), ({"0": 0, "7": -0.0}, None)):
+        response = await client.post(path, json=_body(extra, logit_bias=bias, max_tokens=3))
+        assert response.status_code == 200, response.text
+        assert engine.requests[-1].sampling.logit_bias == sent
+
+
+@pytest.mark.parametrize(("path", "extra"), ENDPOINTS)
+async def test_a_biased_request_without_drafts_says_logit_bias_and_a_plain_one_its_steps(
+    client: httpx.AsyncClient, engine: ScriptedEngine, path: str, extra: dict[str, Any]
+) -> None:
+    # The engine's reason for the sequence's idle steps (never a neighbour's parameters).
+    engine.speculation = SpeculationStats(
+        drafts=0,
+        draft_tokens=0,
+        accepted_tokens=0,
+        accepted_per_position=[0, 0, 0],
+        steps_by_k={0: 2},
+        idle_reason="not_paying",
+    )
+    for bias, reason in (
+        ({"2": -100}, "logit_bias"),
+        ({"2": 0}, "not_paying"),
+        (None, "not_paying"),
+    ):
+        response = await client.post(path, json=_body(extra, logit_bias=bias, max_tokens=3))
+        assert response.status_code == 200, response.text
+        assert response.json()["speculation"]["reason"] == reason, bias
 
 
 @pytest.mark.parametrize(("best_of", "n"), [(3, 1), (1, 2), (2, 3)])
@@ -186,18 +221,62 @@ def _scheduler(mode: str, biased: set[str]) -> Any:
     scheduler._script = iter([2, 2])
     scheduler._k_max = 3
     scheduler._lookups = None
+    scheduler._decision = None
     scheduler.requests = {
         r: SimpleNamespace(
-            sampling_params=SimpleNamespace(logit_bias={5: -100.0} if r in biased else None)
+            sampling_params=SimpleNamespace(
+                logit_bias={5: -100.0} if r in biased else None, extra_args=None
+            ),
+            spec_token_ids=[7, 8, 9],
         )
         for r in ("a", "b")
     }
     return scheduler
 
 
+def _steered(scheduler: Any, request_ids: list[str]) -> Any:
+    """The step's decision with each request's cap, as `_steer` makes it."""
+    caps = scheduler._request_caps(request_ids)
+    decision = scheduler._with_request_caps(
+        scheduler._decide(dict.fromkeys(request_ids, 1), {}, caps), request_ids, caps
+    )
+    scheduler._decision = decision
+    return decision
+
+
 @pytest.mark.parametrize(("mode", "k"), [("fixed", 3), ("script", 2)])
-def test_a_step_holding_a_biased_request_proposes_no_drafts(mode: str, k: int) -> None:
+def test_a_biased_request_gets_no_drafts_and_its_neighbour_keeps_speculating(
+    mode: str, k: int
+) -> None:
     scheduler = _scheduler(mode, biased={"b"})
-    assert scheduler._decide({"a": 1}, {}, {}).k == k
-    decision = scheduler._decide({"a": 1, "b": 1}, {}, {})
+    assert _steered(scheduler, ["a"]).k == k
+    decision = _steered(scheduler, ["a", "b"])
+    assert (decision.k, decision.per_request_k) == (k, {"b": 0})
+    scheduler._cap_drafts(SimpleNamespace(req_ids=["a", "b"]))
+    assert scheduler.requests["a"].spec_token_ids == [7, 8, 9]
+    assert scheduler.requests["b"].spec_token_ids == []
+
+
+@pytest.mark.parametrize("mode", ["fixed", "script"])
+def test_a_step_of_biased_requests_alone_idles_the_draft_for_logit_bias(mode: str) -> None:
+    decision = _steered(_scheduler(mode, biased={"a", "b"}), ["a", "b"])
     assert (decision.k, decision.reason) == (0, "logit_bias")
+
+
+def test_a_biased_request_s_drafts_go_whatever_the_step_decided() -> None:
+    scheduler = _scheduler("fixed", biased={"b"})
+    scheduler._decision = autopilot_scheduler.Decision(k=3)  # e.g. no caps recorded
+    scheduler._cap_drafts(SimpleNamespace(req_ids=["a", "b"]))
+    assert (scheduler.requests["a"].spec_token_ids, scheduler.requests["b"].spec_token_ids) == (
+        [7, 8, 9],
+        [],
+    )
+
+
+def test_where_capping_fails_no_request_keeps_a_draft(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(patching, "_failed", set())
+    monkeypatch.delenv(patching.SETTINGS_ENV, raising=False)  # no front end to report to
+    scheduler = _scheduler("fixed", biased={"b"})
+    scheduler._decision = "not a decision"  # the glue raises reading it
+    scheduler._cap_drafts(SimpleNamespace(req_ids=["a", "b"]))
+    assert [r.spec_token_ids for r in scheduler.requests.values()] == [[], []]
