@@ -364,8 +364,8 @@ class Settings(BaseSettings):
         DEFAULT_LIMITS.max_logit_bias,
         ge=0,
         description="Most `logit_bias` entries per request, the cap OpenAI is reported to "
-        "enforce (400 above); 0 refuses `logit_bias`, whose requests run their engine steps "
-        "without drafts.",
+        "enforce (400 above); 0 refuses `logit_bias` (a biased request verifies no drafts, "
+        "docs/speculation.md).",
     )
     max_completion_sequences: int = Field(
         DEFAULT_LIMITS.max_completion_sequences,
