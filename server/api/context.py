@@ -27,7 +27,7 @@ class RequestContext:
     # open routes show beyond their status is for key holders.
     key_holder: bool = False
     # The generation's token accounting, once a route has one; the admission middleware
-    # charges its tokens to the tenant's rate limit when the request ends.
+    # settles its tokens against the tenant's rate limit when the request ends.
     observer: RequestObserver | None = None
 
 
