@@ -75,8 +75,10 @@ def main() -> None:
                 "--metrics-port", str(metrics_port), "--api-key-file", str(key_file),
                 "--lookup-index-tokens", "0",
             ]  # fmt: skip
-            env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
-            process, _ = _start(name, command, env, port, args.out)
+            # `python -m` puts its working directory first on the path: the tree's own.
+            source = Path(tree).resolve()
+            env = {**os.environ, "PYTHONPATH": str(source)}
+            process, _ = _start(name, command, env, port, args.out.resolve(), cwd=source)
             servers[name] = (process, port)
         names = list(trees)
         order = names + names[::-1]

@@ -47,7 +47,12 @@ STARTUP_SECONDS = 1800
 
 
 def _start(
-    name: str, command: list[str], env: dict[str, str], port: int, logs: Path
+    name: str,
+    command: list[str],
+    env: dict[str, str],
+    port: int,
+    logs: Path,
+    cwd: Path | None = None,
 ) -> tuple[subprocess.Popen[bytes], float]:
     print(f"[{name}] {' '.join(command)}", flush=True)
     # Another server on the port would answer the health check in this one's place, and
@@ -56,7 +61,9 @@ def _start(
         if probe.connect_ex(("127.0.0.1", port)) == 0:
             raise SystemExit(f"[{name}] port {port} is already in use; stop what listens there")
     log = logs / f"{name}.log"
-    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    process = subprocess.Popen(
+        command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=cwd
+    )
     startup = wait_until_up(process, f"http://127.0.0.1:{port}/health", STARTUP_SECONDS, log)
     print(f"[{name}] healthy after {startup:.0f} s", flush=True)
     return process, startup
