@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8300)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    args.out = args.out.resolve()  # the servers run in their trees' directories
     trees = dict(item.split("=", 1) for item in args.tree)
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
     (args.out / "lscpu.txt").write_text(lscpu)
@@ -78,7 +79,7 @@ def main() -> None:
             # `python -m` puts its working directory first on the path: the tree's own.
             source = Path(tree).resolve()
             env = {**os.environ, "PYTHONPATH": str(source)}
-            process, _ = _start(name, command, env, port, args.out.resolve(), cwd=source)
+            process, _ = _start(name, command, env, port, args.out, cwd=source)
             servers[name] = (process, port)
         names = list(trees)
         order = names + names[::-1]
