@@ -103,7 +103,10 @@ def create_app(
     `lifecycle` to drain and stop the server.
     """
     admission = admission or AdmissionController(
-        DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_QUEUE_TIMEOUT_SECONDS
+        DEFAULT_MAX_CONCURRENT_REQUESTS,
+        DEFAULT_MAX_QUEUED_REQUESTS,
+        DEFAULT_QUEUE_TIMEOUT_SECONDS,
+        max_displacing=DEFAULT_MAX_CONCURRENT_REQUESTS,
     )
     renders = DEFAULT_MAX_CONCURRENT_RENDERS
     render_admission = render_admission or AdmissionController(

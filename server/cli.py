@@ -179,11 +179,14 @@ def serve_engine(
     from server.traffic.lifecycle import Lifecycle
     from server.traffic.runner import run
 
+    max_concurrent = settings.max_concurrent_requests or settings.max_num_seqs
     admission = AdmissionController(
-        settings.max_concurrent_requests or settings.max_num_seqs,
+        max_concurrent,
         settings.max_queued_requests,
         settings.queue_timeout_seconds,
         settings.max_queued_per_tenant,
+        # Tenants under their share take up to the engine's worth more: it gives way.
+        max_displacing=max_concurrent,
     )
     render_admission = AdmissionController(
         settings.max_concurrent_renders,

@@ -80,14 +80,15 @@ class AdmissionMiddleware:
             # A render call tokenizes once, whatever its n.
             sequences = sequences_of(path, first) if admission is self.admission else 1
             ticket = admission.ticket(request_tenant, sequences)
-            admitted_receive = await self._take_room(admission, ticket, first, receive)
+            admitted = await self._take_room(admission, ticket, first, receive)
         except APIError as exc:
             await error_response(exc)(scope, receive, send)
             return
-        if admitted_receive is None:
+        if admitted is None:
             REFUSED.labels("client_disconnected").inc()
             await Response(status_code=CLIENT_CLOSED_REQUEST)(scope, receive, send)
             return
+        admitted_receive, context_of(scope).priority = admitted
 
         async def send_with_limits(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -106,13 +107,14 @@ class AdmissionMiddleware:
 
     async def _take_room(
         self, admission: AdmissionController, ticket: Ticket, first: Message, receive: Receive
-    ) -> Receive | None:
+    ) -> tuple[Receive, int] | None:
         """Take the ticket's room, watching the connection while in line for it. Returns what
-        the app receives from (the messages read so far, then the client's), or None when the
-        client hung up first; raises the admission's refusals."""
+        the app receives from (the messages read so far, then the client's) and the engine
+        priority, or None when the client hung up first; raises the admission's refusals."""
         heard = [first]
-        if admission.try_acquire(ticket):
-            return replaying(heard, receive)
+        priority = admission.try_acquire(ticket)
+        if priority is not None:
+            return replaying(heard, receive), priority
         if first["type"] == "http.disconnect":
             return None
 
@@ -134,8 +136,8 @@ class AdmissionMiddleware:
             await asyncio.gather(waiting, watching, return_exceptions=True)
         if waiting.cancelled():
             return None
-        waiting.result()  # a refusal (line full, queue timeout, tenant's share) raises here
-        return replaying(heard, receive)
+        # A refusal (line full, queue timeout, tenant's share) raises here.
+        return replaying(heard, receive), waiting.result()
 
 
 def sequences_of(path: str, message: Message) -> int:

@@ -8,7 +8,7 @@ from fastapi.responses import Response
 from server.api.admission import record_usage
 from server.api.auth import tenant
 from server.api.deps import EngineDep, LimitsDep
-from server.api.instrumentation import arrival, deadline
+from server.api.instrumentation import arrival, deadline, priority
 from server.api.replies import GENERATION_RESPONSES, event_stream, json_unless_disconnected
 from server.protocol.chat import ChatCompletionRequest, ChatCompletionResponse
 from server.serving import chat
@@ -26,7 +26,14 @@ async def create_chat_completion(
 ) -> Response:
     # Rendering and tokenizing must not stall other streams on the event loop.
     prepared = await asyncio.to_thread(
-        chat.prepare, engine, body, limits, arrival(request), tenant(request), deadline(request)
+        chat.prepare,
+        engine,
+        body,
+        limits,
+        arrival(request),
+        tenant(request),
+        priority(request),
+        deadline(request),
     )
     record_usage(request, prepared.observer)
     if body.stream:

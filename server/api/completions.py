@@ -8,7 +8,7 @@ from fastapi.responses import Response
 from server.api.admission import record_usage
 from server.api.auth import tenant
 from server.api.deps import EngineDep, LimitsDep
-from server.api.instrumentation import arrival, deadline
+from server.api.instrumentation import arrival, deadline, priority
 from server.api.replies import GENERATION_RESPONSES, event_stream, json_unless_disconnected
 from server.protocol.completions import CompletionRequest, CompletionResponse
 from server.serving import completions
@@ -28,6 +28,7 @@ async def create_completion(
         limits,
         arrival(request),
         tenant(request),
+        priority(request),
         deadline(request),
     )
     record_usage(request, prepared.observer)

@@ -26,6 +26,9 @@ class RequestContext:
     # Keys are off, or the request presented a valid one (set by the auth middleware): what
     # open routes show beyond their status is for key holders.
     key_holder: bool = False
+    # The engine's scheduling priority (smaller goes first), set by the admission middleware:
+    # the sequences the request's tenant held when it was admitted (admission_queue.py).
+    priority: int = 0
     # The generation's token accounting, once a route has one; the admission middleware
     # charges its tokens to the tenant's rate limit when the request ends.
     observer: RequestObserver | None = None

@@ -11,7 +11,7 @@ from fastapi.responses import Response
 from server.api.admission import record_usage
 from server.api.auth import tenant
 from server.api.deps import EngineDep, LimitsDep
-from server.api.instrumentation import arrival, deadline
+from server.api.instrumentation import arrival, deadline, priority
 from server.api.replies import TYPED_EVENT_RESPONSES, json_unless_disconnected, sse_response
 from server.protocol.responses import CreateResponseRequest, ResponseObject
 from server.serving import responses
@@ -31,6 +31,7 @@ async def create_response(
         limits,
         arrival(request),
         tenant(request),
+        priority(request),
         deadline(request),
     )
     record_usage(request, prepared.observer)

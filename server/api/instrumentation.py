@@ -56,6 +56,11 @@ def arrival(request: Request) -> float:
     return request_context(request).arrival
 
 
+def priority(request: Request) -> int:
+    """The engine's scheduling priority the admission middleware gave the request."""
+    return request_context(request).priority
+
+
 def deadline(request: Request) -> float | None:
     """`time.perf_counter()` by which the request must be done, counted from
     arrival so that queueing uses up the same budget; None without a limit."""

@@ -38,7 +38,7 @@ class RenderedPrompt(BaseModel):
 
 
 async def _prepare(
-    prepare: Callable[[Engine, Body, RequestLimits, float, str, float | None], Prepared],
+    prepare: Callable[[Engine, Body, RequestLimits, float, str, int, float | None], Prepared],
     engine: Engine,
     body: Body,
     limits: RequestLimits,
@@ -47,7 +47,7 @@ async def _prepare(
     """The generation route's own preparation (validation, limits, rendering, tokenizing),
     off the event loop as there."""
     return await asyncio.to_thread(
-        prepare, engine, body, limits, arrival(request), tenant(request), None
+        prepare, engine, body, limits, arrival(request), tenant(request), 0, None
     )
 
 

@@ -76,6 +76,9 @@ class GenerationRequest:
     # Whose earlier replies the hybrid proposer may look this request's continuation up in, and
     # whose cached prompt prefixes it may reuse (unless the server shares them).
     tenant: str | None = None
+    # The engine's scheduling priority, smaller first: what the request's tenant held when it
+    # was admitted (traffic/admission_queue.py); the engine preempts larger for smaller.
+    priority: int = 0
 
 
 @dataclass(frozen=True)

@@ -280,6 +280,9 @@ class VllmEngine:
             seed=config.seed,
             max_model_len=config.max_model_len,  # type: ignore[arg-type]  # None: model's own
             max_num_seqs=config.max_num_seqs,
+            # Requests carry the admission's priority (their tenant's share when admitted):
+            # vLLM serves the smallest first, and preempts by it when the KV cache runs out.
+            scheduling_policy="priority",
             block_size=config.block_size,
             enable_prefix_caching=config.prefix_caching,
             tensor_parallel_size=config.tensor_parallel_size,
@@ -564,7 +567,7 @@ class VllmEngine:
         salt = self._cache_salt(request)
         if salt is not None:
             prompt["cache_salt"] = salt
-        stream = self._llm.generate(prompt, params, request.request_id)
+        stream = self._llm.generate(prompt, params, request.request_id, priority=request.priority)
         finished = False
         # Per choice: tokens so far, for the K=0 steps of its speculation stats.
         produced: dict[int, int] = {}

@@ -89,6 +89,7 @@ def prepare(
     limits: RequestLimits,
     arrival: float,
     tenant: str,
+    priority: int,
     deadline: float | None,
 ) -> PreparedChat:
     within_limits(limits.check_chat, body)
@@ -102,7 +103,9 @@ def prepare(
     bias = logit_bias(engine, body)
     sampling = sampling_options(body, max_tokens, body.logprob_count(), grammar, bias)
     chat_id = new_id("chatcmpl")
-    request = GenerationRequest(chat_id, token_ids, sampling, stream=body.stream, tenant=tenant)
+    request = GenerationRequest(
+        chat_id, token_ids, sampling, stream=body.stream, tenant=tenant, priority=priority
+    )
     validate_all(engine, [request])
     observer = RequestObserver(model, ENDPOINT, arrival, tenant)
     return PreparedChat(chat_id, now(), model, body, request, observer, deadline, tools)

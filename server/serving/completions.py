@@ -60,6 +60,7 @@ def prepare(
     limits: RequestLimits,
     arrival: float,
     tenant: str,
+    priority: int,
     deadline: float | None,
 ) -> PreparedCompletion:
     within_limits(limits.check_completion, body)
@@ -80,7 +81,7 @@ def prepare(
         sampling = sampling_options(body, max_tokens, body.logprobs, grammar, bias)
         requests.append(
             GenerationRequest(
-                f"{completion_id}-{position}", token_ids, sampling, body.stream, tenant
+                f"{completion_id}-{position}", token_ids, sampling, body.stream, tenant, priority
             )
         )
         if body.echo:

@@ -108,6 +108,7 @@ def prepare(
     limits: RequestLimits,
     arrival: float,
     tenant: str,
+    priority: int,
     deadline: float | None,
 ) -> PreparedResponse:
     within_limits(limits.check_response, body)
@@ -129,7 +130,9 @@ def prepare(
         max_draft_tokens=draft_cap(body.speculation),
     )
     response_id = new_id("resp", "_")
-    request = GenerationRequest(response_id, token_ids, sampling, stream=body.stream, tenant=tenant)
+    request = GenerationRequest(
+        response_id, token_ids, sampling, stream=body.stream, tenant=tenant, priority=priority
+    )
     with _named_for_responses():
         validate_all(engine, [request])
     observer = RequestObserver(model, ENDPOINT, arrival, tenant)

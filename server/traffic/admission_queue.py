@@ -8,12 +8,18 @@ request wider than the whole engine takes all of it.
 Fairness between tenants: when room frees, it goes to the waiting tenant that holds the
 least of the engine (sequences in flight); among tenants holding as much, to the one
 admitted longest ago (turns); within a tenant, the earliest request first. A tenant can
-fill the engine while nobody else waits; once someone does, every slot that frees goes
-to the tenant holding less until the two hold as much. This is the smallest rule that
-keeps a flood from starving a light user, needs no configuration, and works the same
-with one tenant (then it is arrival order). What it does not do is take running
-sequences back: a newcomer waits for the first of the flood's requests to end, bounded
-by the slots (`--max-concurrent-requests`) and their lengths.
+fill the engine while nobody else waits; when someone arrives holding less than its share
+(the slots divided among the tenants holding or waiting), it does not wait for the
+flood's requests to end: it is admitted past the slots (at most `max_displacing` sequences
+past them) and the engine gives way. Each admission carries a priority for the engine's
+scheduler, the sequences its tenant held when it was admitted (fewer goes first), and
+specserve's scheduler preempts the running sequence with the largest priority for a
+waiting one with a smaller (vllm_plugins/give_way.py): the newest of the flood's requests
+steps back (vLLM recomputes it later; nothing it produced is lost) within a step. Where
+specserve's scheduler does not run (GPUs without --gpu-engine-patches), vLLM's priority
+queue still serves the newcomer first as soon as a sequence ends. This is the smallest rule
+that keeps a flood from starving a light user, needs no configuration, and works the same
+with one tenant (then it is arrival order and nothing is preempted).
 
 Past the bounds a request is refused at once instead of queueing without limit: 503 when
 the shared line is full, 429 when its own tenant already has its share of the line
@@ -48,13 +54,14 @@ class Ticket:
 @dataclass(eq=False)
 class _Waiter:
     ticket: Ticket
-    future: asyncio.Future[None]
+    future: asyncio.Future[int]  # its priority once admitted
     arrival: int  # order of arrival across tenants
 
 
 class AdmissionController:
     """Room for `max_concurrent` sequences in the engine plus a bounded line of waiters,
-    served to the tenant holding the least first."""
+    served to the tenant holding the least first; up to `max_displacing` sequences more for
+    tenants under their share, for whom the engine preempts others."""
 
     def __init__(
         self,
@@ -62,8 +69,10 @@ class AdmissionController:
         max_queued: int,
         queue_timeout_seconds: float,
         max_queued_per_tenant: int | None = None,
+        max_displacing: int = 0,
     ) -> None:
         self.max_concurrent = max_concurrent
+        self.max_displacing = max_displacing
         self.max_queued = max_queued
         self.max_queued_per_tenant = (
             max_queued_per_tenant if max_queued_per_tenant is not None else max(1, max_queued // 2)
@@ -94,20 +103,26 @@ class AdmissionController:
         """What a request of `sequences` sequences takes: at least one, at most the engine."""
         return Ticket(tenant, min(max(1, sequences), self.max_concurrent))
 
-    def try_acquire(self, ticket: Ticket) -> bool:
-        """Take the ticket's room if it is free and nobody waits for it, without waiting."""
-        if any(self._lines.values()) or self.running + ticket.sequences > self.max_concurrent:
-            return False
-        self._take(ticket)
+    def try_acquire(self, ticket: Ticket) -> int | None:
+        """Take the ticket's room without waiting if it fits and its tenant holds less than
+        every tenant waiting (who would be served first otherwise); its engine priority,
+        None if not admitted."""
+        heads = [line[0] for line in self._lines.values() if line]
+        if any(self.held_by(ticket.tenant) >= self.held_by(w.ticket.tenant) for w in heads):
+            return None
+        if not self._fits(ticket):
+            return None
         QUEUE_WAIT.observe(0.0)
-        return True
+        return self._take(ticket)
 
-    async def acquire(self, ticket: Ticket) -> None:
-        """Take the ticket's room, waiting in line if need be; raise `OverloadedError` when
-        the line is full or the wait exceeds the queue timeout, `RateLimitError` when the
-        ticket's tenant already has its share of the line waiting."""
-        if self.try_acquire(ticket):
-            return
+    async def acquire(self, ticket: Ticket) -> int:
+        """Take the ticket's room, waiting in line if need be, and return its engine
+        priority; raise `OverloadedError` when the line is full or the wait exceeds the
+        queue timeout, `RateLimitError` when the ticket's tenant already has its share of
+        the line waiting."""
+        priority = self.try_acquire(ticket)
+        if priority is not None:
+            return priority
         if self.queued + ticket.sequences > self.max_queued:
             REFUSED.labels("queue_full").inc()
             raise OverloadedError(
@@ -128,7 +143,7 @@ class AdmissionController:
                 kind="requests",
                 headers={"Retry-After": str(self.retry_after_seconds())},
             )
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         waiter = _Waiter(ticket, future, self._arrivals)
         self._arrivals += 1
         line.append(waiter)
@@ -136,7 +151,7 @@ class AdmissionController:
         started = time.perf_counter()
         try:
             async with asyncio.timeout(self.queue_timeout_seconds):
-                await future
+                priority = await future
         except TimeoutError:
             self._give_up(waiter)
             REFUSED.labels("queue_timeout").inc()
@@ -151,6 +166,7 @@ class AdmissionController:
         finally:
             QUEUED.set(self.queued)
         QUEUE_WAIT.observe(time.perf_counter() - started)
+        return priority
 
     def release(self, ticket: Ticket, held_seconds: float) -> None:
         """Give back the ticket's room, held for `held_seconds`, to the waiters."""
@@ -164,12 +180,30 @@ class AdmissionController:
         estimate = self._mean_hold_seconds * ahead / self.max_concurrent
         return max(1, min(_MAX_RETRY_AFTER_SECONDS, math.ceil(estimate)))
 
-    def _take(self, ticket: Ticket) -> None:
+    def _under_share(self, ticket: Ticket) -> bool:
+        """Whether the ticket's tenant, with it, holds at most its share: the slots divided
+        among the tenants holding or waiting, itself included."""
+        present = {*self._held, *(t for t, line in self._lines.items() if line), ticket.tenant}
+        share = self.max_concurrent // len(present)
+        return self.held_by(ticket.tenant) + ticket.sequences <= share
+
+    def _fits(self, ticket: Ticket) -> bool:
+        """Room for the ticket now: free slots, or for a tenant under its share the slots
+        the engine frees by preempting others (within `max_displacing`)."""
+        if self.running + ticket.sequences <= self.max_concurrent:
+            return True
+        within = self.running + ticket.sequences <= self.max_concurrent + self.max_displacing
+        return within and self._under_share(ticket)
+
+    def _take(self, ticket: Ticket) -> int:
+        """Admit the ticket; its engine priority is what its tenant held before it."""
+        priority = self.held_by(ticket.tenant)
         self.running += ticket.sequences
         self._held[ticket.tenant] += ticket.sequences
         self._admissions += 1
         self._last_admitted[ticket.tenant] = self._admissions
         RUNNING.set(self.running)
+        return priority
 
     def _give_back(self, ticket: Ticket) -> None:
         self.running -= ticket.sequences
@@ -201,11 +235,10 @@ class AdmissionController:
             if head.future.done():  # cancelled, its waiter not yet resumed to leave
                 self._lines[head.ticket.tenant].popleft()
                 continue
-            if self.running + head.ticket.sequences > self.max_concurrent:
+            if not self._fits(head.ticket):
                 return
             self._lines[head.ticket.tenant].popleft()
-            self._take(head.ticket)
-            head.future.set_result(None)
+            head.future.set_result(self._take(head.ticket))
 
     def _give_up(self, waiter: _Waiter) -> None:
         line = self._lines.get(waiter.ticket.tenant)

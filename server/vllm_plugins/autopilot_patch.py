@@ -25,6 +25,11 @@ AUTOPILOT = patching.Patch(
                 "update_draft_token_ids",
                 "num_spec_tokens",
                 "requests",
+                "running",
+                "waiting",
+                "policy",
+                "max_num_running_reqs",
+                "_preempt_request",
             ),
         ),
         Hook(
@@ -46,7 +51,15 @@ AUTOPILOT = patching.Patch(
                 "max_tokens",
                 "num_output_tokens",
                 "num_prompt_tokens",
+                "priority",
+                "arrival_time",
+                "status",
             ),
+        ),
+        Hook(
+            "vllm.v1.core.sched.request_queue",
+            "SchedulingPolicy",
+            members=("PRIORITY",),
         ),
         Hook(
             "vllm.v1.outputs",

@@ -52,6 +52,7 @@ from server.autopilot.reports import SchedulerReport, Verified
 from server.vllm_plugins import patching
 from server.vllm_plugins.autopilot_patch import AUTOPILOT
 from server.vllm_plugins.autopilot_report import Reporter
+from server.vllm_plugins.give_way import give_way
 from server.vllm_plugins.request_args import CALIBRATION_PREFIX, draft_cap, has_logit_bias
 from server.vllm_plugins.scheduler_lookups import SchedulerLookups
 
@@ -89,7 +90,8 @@ def parse_script(text: str) -> list[int]:
 
 
 class AutopilotScheduler(Scheduler):
-    """vLLM's scheduler; only the per-step K and per-request draft caps differ."""
+    """vLLM's scheduler; the per-step K and per-request draft caps differ, and a full batch
+    gives way to a waiting request of smaller priority (give_way.py)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -150,6 +152,7 @@ class AutopilotScheduler(Scheduler):
         )
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self._give_way()
         lookups = self._lookups_in_force()
         if lookups is not None:
             lookups.propose(self.running, self.structured_output_manager.validate_tokens)
@@ -158,6 +161,13 @@ class AutopilotScheduler(Scheduler):
             lookups.scheduled(output.scheduled_spec_decode_tokens)
         self._steer(output)
         return output
+
+    @_contained(lambda self: None)
+    def _give_way(self) -> None:
+        """Preempt for fairness (give_way.py); a preempted request's draft starts over with
+        it, as on its first step."""
+        for request_id in give_way(self):
+            self._draft_seen.pop(request_id, None)
 
     def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         lookups = self._lookups_in_force()

@@ -416,3 +416,42 @@ async def test_render_calls_take_the_render_room_not_the_engines() -> None:
     finish.set()
     await asyncio.gather(*calls)
     assert first.status == 200 and renders.idle
+
+
+async def test_a_tenant_under_its_share_is_admitted_past_a_full_engine_first_in_priority() -> None:
+    admission = AdmissionController(4, 16, queue_timeout_seconds=5, max_displacing=4)
+    flood, light = admission.ticket("a", 1), admission.ticket("b", 1)
+    # Alone, a fills the engine; each admission's priority is what a held before it.
+    assert [admission.try_acquire(flood) for _ in range(4)] == [0, 1, 2, 3]
+    assert admission.try_acquire(flood) is None
+    queued_flood = asyncio.create_task(admission.acquire(flood))
+    await _until(lambda: admission.queued == 1)
+    # b holds nothing, under its share (4 slots / 2 tenants): past the full engine at once,
+    # first in the engine's order, passing a's queued request.
+    assert admission.try_acquire(light) == 0
+    assert admission.try_acquire(light) == 1
+    assert admission.running == 6
+    # At its share, b waits like everyone.
+    assert admission.try_acquire(light) is None
+    for _ in range(2):
+        admission.release(light, 1.0)
+    # b's room was past the engine's: a's queued request waits for one of a's own to end.
+    assert (admission.queued, admission.running) == (1, 4)
+    admission.release(flood, 1.0)
+    assert await queued_flood == 3  # a held three then
+    for _ in range(4):
+        admission.release(flood, 1.0)
+    assert admission.idle
+
+
+async def test_past_the_engine_only_within_max_displacing() -> None:
+    no_displacing = AdmissionController(2, 8, queue_timeout_seconds=5)
+    displacing = AdmissionController(2, 8, queue_timeout_seconds=5, max_displacing=1)
+    for admission in (no_displacing, displacing):
+        for _ in range(2):
+            assert admission.try_acquire(admission.ticket("a", 1)) is not None
+    # A render route's room (no displacing): b waits for a slot even holding nothing.
+    assert no_displacing.try_acquire(no_displacing.ticket("b", 1)) is None
+    assert displacing.try_acquire(displacing.ticket("b", 1)) == 0
+    # The one sequence past the engine is taken: c, under its share too, waits.
+    assert displacing.try_acquire(displacing.ticket("c", 1)) is None

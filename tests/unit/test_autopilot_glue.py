@@ -113,6 +113,7 @@ def test_a_failed_autopilot_stops_the_lookups_too(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(autopilot_scheduler.Scheduler, "_free_request", lambda self, request: None)
     scheduler = object.__new__(autopilot_scheduler.AutopilotScheduler)
     scheduler.running = []
+    scheduler.policy = None  # not priority: nothing to give way
     scheduler.structured_output_manager = SimpleNamespace(validate_tokens=None)
     scheduler._lookups = SimpleNamespace(
         propose=lambda running, validate: calls.append("propose"),
