@@ -22,9 +22,12 @@ newest sequence that ran through it, so removing the oldest never leaves a node 
 Nodes are indices into one list per field, not objects: the garbage collector then walks a few
 lists rather than every node (a full collection took ~190 ms over a 100k-token tree of objects).
 
-Replies sit in one tree per tenant, bounded in tokens over all tenants (the oldest reply leaves
-first): no tenant is proposed another's text. Stdlib only; the autopilot's scheduler asks for
-each decoding request's proposal every step and hands over each finished reply.
+A request's own tree is built in one scheduler step, at its first proposal, from the context's
+last `context_tokens` (CONTEXT_TOKENS, 4096, by default: ~10 ms where a 32k-token prompt would
+hold up that step for ~100 ms), and grows with the reply from there. Replies sit in one tree per
+tenant, bounded in tokens over all tenants (the oldest reply leaves first): no tenant is proposed
+another's text. Stdlib only; the autopilot's scheduler asks for each decoding request's proposal
+every step and hands over each finished reply.
 """
 
 from collections import deque
@@ -36,6 +39,9 @@ from dataclasses import dataclass, field
 Match = tuple[int, int, int]
 
 _ROOT = 0
+
+# The most of a context its own tree is built from at once (its last tokens).
+CONTEXT_TOKENS = 4096
 
 
 class SuffixTree:
@@ -375,7 +381,8 @@ class ReplyTrees:
 
 @dataclass
 class _Request:
-    tree: SuffixTree  # its own context
+    tree: SuffixTree  # its own context, from `start` on
+    start: int  # the context's tokens before it are not in the tree
     replies: SuffixTree | None = None  # its tenant's tree, as of `version`
     version: int = -1
     matches: list[Match] = field(default_factory=list)  # the context's suffixes in `replies`
@@ -391,10 +398,14 @@ class SuffixProposer:
         depth: int = 32,
         max_spec_factor: float = 1.0,
         min_token_prob: float = 0.1,
+        context_tokens: int = CONTEXT_TOKENS,
     ) -> None:
         if depth < 2 or max_spec_factor <= 0 or not 0.0 <= min_token_prob <= 1.0:
             raise ValueError("need depth >= 2, max_spec_factor > 0, min_token_prob in [0, 1]")
+        if context_tokens < 1:
+            raise ValueError(f"context_tokens must be >= 1, got {context_tokens}")
         self.depth = depth
+        self.context_tokens = context_tokens
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
         self.replies = ReplyTrees(index_tokens, depth)
@@ -407,8 +418,9 @@ class SuffixProposer:
         the most tokens accepted, at most max_tokens long; None where nothing occurred before."""
         request = self._requests.get(request_id)
         if request is None:
-            request = self._requests[request_id] = _Request(SuffixTree(self.depth))
-        new = all_tokens[len(request.tree.newest) :]
+            start = max(0, len(all_tokens) - self.context_tokens)
+            request = self._requests[request_id] = _Request(SuffixTree(self.depth), start)
+        new = all_tokens[request.start + len(request.tree.newest) :]
         request.tree.extend(new)
         context = request.tree.newest
         replies = self.replies.tree(tenant) if tenant is not None else None

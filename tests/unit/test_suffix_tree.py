@@ -374,3 +374,16 @@ def test_a_finished_request_s_tree_goes() -> None:
     assert (proposer.replies.tokens, proposer.replies.replies) == (4, 1)
     proposer.finish("calibration", None, [20, 21, 22, 23])  # no tenant: not kept
     assert proposer.replies.tokens == 4
+
+
+def test_a_request_s_own_tree_starts_from_its_context_s_last_tokens() -> None:
+    proposer = SuffixProposer(index_tokens=0, context_tokens=6)
+    # 1 2 3 went on with 4 early in the prompt, out of the tree's reach.
+    context = [1, 2, 3, 4, 9, 8, 7, 6, 5, 1, 2, 3]
+    assert proposer.find("r", None, context, 8) is None
+    assert proposer._requests["r"].tree.newest == context[-6:]
+    # Past that the tree grows with the reply: what it holds now is proposed.
+    context += [10, 11, 1, 2]
+    found = proposer.find("r", None, context, 8)
+    assert found is not None and (found.tokens, found.match_length) == ([3, 10], 2)
+    assert proposer._requests["r"].tree.newest == context[-10:]
