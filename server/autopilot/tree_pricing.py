@@ -4,18 +4,18 @@ against the draft's proposal and against one more verified token's cost.
 
 The tree says how often each continuation followed before (`Proposal.probs`); position i's
 estimate, given the positions before it accepted, is probs[i] / probs[i - 1]. That knows the
-text, not the target: a continuation that followed once reads 1.0 after a one-token match as
-after a twenty-token copy, and the model may word the same code otherwise. So the estimate is
-calibrated against what the target accepted: per origin (the request's own context or its
-tenant's replies), match class (a position extends a match of match_length + i tokens: 1-2,
-3-7, 8 and more; with max_spec_factor 1 that is also how many tokens the match may propose)
-and estimate bucket (under 0.5, 0.5-0.9, 0.9 and more), acceptance is counted recency weighted,
-and a position's rate is its key's counts blended with PRIOR_STRENGTH observations of the
-tree's own estimate. Unmeasured, a proposal is priced as the tree says; once its key has been
-verified a few dozen times, as the target accepted. A key of origin and estimate alone would
-price a one-token coincidence seen once like a long copy in progress (both read 1.0, and the
-copies' eight positions a step would set the rate); a learnt scale on the tree's estimates
-would carry a copy's measured acceptance to the coincidences' too. 2 x 3 x 3 keys stay few
+text, not the target: a token that followed once reads 1.0 after a one-token match as after a
+twenty-token copy, and the model may word the same code otherwise. So estimates are calibrated
+by what the target accepted, counted (recency weighted) per key: origin (the request's own
+context or its tenant's replies), match class (position i extends a match of match_length + i
+tokens: 1-2, 3-7, 8 and more) and estimate bucket (under 0.5, 0.5-0.9, 0.9 and more). A
+position's rate is its key's counts blended with PRIOR_STRENGTH observations of the tree's own
+estimate: unmeasured, a proposal is priced as the tree says; once its key has been verified a
+few dozen times, as the target accepted.
+
+Why these keys: by origin and estimate alone, a one-token coincidence seen once would be priced
+like a copy in progress (both read 1.0, and a copy's eight positions a step would set the
+rate); one learnt factor scaling every estimate would do the same. 2 x 3 x 3 keys stay few
 enough that each is measured within the first requests that reach it.
 
 Stdlib only.
