@@ -77,7 +77,9 @@ METRICS_HELP = (
     "specserve serves them on its --metrics-port, e.g. http://127.0.0.1:9400/metrics)"
 )
 # What the runner sets itself: a body may not change what is measured or how.
-RUNNER_FIELDS = {"model", "prompt", "messages", "suffix", "stream", "stream_options", "max_tokens"}
+RUNNER_FIELDS = {
+    "model", "prompt", "messages", "suffix", "tools", "stream", "stream_options", "max_tokens",
+}  # fmt: skip
 
 
 def _json_object(text: str) -> dict[str, Any]:

@@ -3,7 +3,10 @@
 A chunk counts as a token chunk when it carries generated text. vLLM's
 benchmark counts any chunk with choices, but servers that follow OpenAI send
 the assistant role in a chunk of its own before generation starts (specserve
-does so right away), which would make TTFT the time to that empty chunk.
+does so right away), which would make TTFT the time to that empty chunk. A
+tool call's name and arguments count as generated text; a server that parses
+calls out of the reply (specserve does) sends each call whole once the reply
+ends, so a reply that is only calls has its first token timed with its last.
 Nothing the server says can abort the run: HTTP errors (429 and 503 included),
 error events inside a stream, truncated streams and timeouts become failed
 records.
@@ -31,7 +34,17 @@ def chunk_text(data: dict[str, Any]) -> str:
         for key in ("content", "reasoning_content", "reasoning"):
             if delta.get(key):
                 parts.append(delta[key])
+        parts.append(calls_text(delta))
     return "".join(parts)
+
+
+def calls_text(message: dict[str, Any]) -> str:
+    """The tool calls of a message or a stream delta: each name, then its arguments."""
+    return "".join(
+        (call.get("function") or {}).get(key) or ""
+        for call in message.get("tool_calls") or ()
+        for key in ("name", "arguments")
+    )
 
 
 def error_message(body: bytes) -> str:
@@ -179,7 +192,8 @@ async def _whole(
         raise StreamError("response has no usage.completion_tokens")
     record.output_tokens = int(usage["completion_tokens"])
     choice = (data.get("choices") or [{}])[0]
-    record.text = choice.get("text") or (choice.get("message") or {}).get("content") or ""
+    message = choice.get("message") or {}
+    record.text = choice.get("text") or (message.get("content") or "") + calls_text(message)
     if isinstance(data.get("speculation"), dict):
         record.speculation = data["speculation"]
     record.success = True

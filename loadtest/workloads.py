@@ -9,7 +9,11 @@ schema or JSON mode), `fim` sends code with a hole (`suffix`), so both run
 through the grammar and fill-in-the-middle paths. `multi-turn` (each turn
 sent with the turns before it) and `shared-system-prompt` (an agent's long
 system prompt and tools before short tasks) share prompt prefixes between
-requests: what the server's prefix cache reuses.
+requests: what the server's prefix cache reuses. `agent` (loadtest/agent_tasks.py)
+is a coding agent's tool calls, each turn sent with the conversation before it:
+its replies repeat the file a tool read, the file it wrote before and the command
+it ran, what lookups in the prompt and in the tenant's replies propose. loadtest
+sends one API key per server, so all of a run's requests are one tenant's.
 
 JSONL: one object per line, either {"prompt": "..."} for /v1/completions or
 {"messages": [...]} for /v1/chat/completions, optionally "max_tokens", "id",
@@ -22,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from loadtest.agent_tasks import TASKS, Task
+
 
 @dataclass(frozen=True)
 class WorkItem:
@@ -29,6 +35,10 @@ class WorkItem:
     endpoint: Literal["completions", "chat"]
     prompt: str | None = None
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content)
+    # Chat messages as OpenAI's objects, where (role, content) cannot say them: assistant
+    # tool calls and the tool results that answer them. Instead of `messages`.
+    conversation: tuple[dict[str, Any], ...] | None = None
+    tools: tuple[dict[str, Any], ...] | None = None  # chat only: OpenAI function tools
     max_tokens: int | None = None
     suffix: str | None = None  # completions only: fill in the middle
     response_format: dict[str, Any] | None = None
@@ -45,8 +55,12 @@ class WorkItem:
             body["prompt"] = self.prompt
             if self.suffix is not None:
                 body["suffix"] = self.suffix
+        elif self.conversation is not None:
+            body["messages"] = list(self.conversation)
         else:
             body["messages"] = [{"role": r, "content": c} for r, c in self.messages or ()]
+        if self.tools is not None:
+            body["tools"] = list(self.tools)
         if self.response_format is not None:
             body["response_format"] = self.response_format
         if stream:
@@ -196,7 +210,7 @@ _AGENT_TOOLS = [
         ("git_diff", "Show the working tree's changes.", [("path", "Limit to this path.")]),
     ]
 ]
-_AGENT_SYSTEM_PROMPT = (
+_AGENT_RULES = (
     "You are a coding agent working in a Python repository on behalf of its maintainers. "
     "Follow these rules in every reply.\n"
     + "\n".join(
@@ -217,6 +231,9 @@ _AGENT_SYSTEM_PROMPT = (
             start=1,
         )
     )
+)
+_AGENT_SYSTEM_PROMPT = (
+    _AGENT_RULES
     + "\n\nYou can call these tools; answer with one JSON call per line when you use them:\n"
     + json.dumps(_AGENT_TOOLS, indent=1)
 )
@@ -242,6 +259,53 @@ SHARED_SYSTEM_PROMPT = [
         ]
     )
 ]
+
+
+def _agent_conversation(task: Task) -> list[WorkItem]:
+    """One item per turn: the task, then each tool call and its result in turn (read the file,
+    write the first attempt, run the tests, write the fix, run them again)."""
+    first, fixed = task.attempts()
+    steps = [
+        ("read_file", {"path": task.path}, task.source),
+        ("write_file", {"path": task.path, "content": first}, _wrote(task.path, first)),
+        ("run_tests", {"selector": task.tests}, task.failure),
+        ("write_file", {"path": task.path, "content": fixed}, _wrote(task.path, fixed)),
+        ("run_tests", {"selector": task.tests}, task.passed),
+    ]
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": _AGENT_RULES},
+        {"role": "user", "content": task.request},
+    ]
+    for step, (name, arguments, output) in enumerate(steps, start=1):
+        call_id = f"call_{task.name}_{step}"
+        call = {"name": name, "arguments": json.dumps(arguments)}
+        messages += [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": call_id, "type": "function", "function": call}],
+            },
+            {"role": "tool", "tool_call_id": call_id, "content": output},
+        ]
+    return [
+        WorkItem(
+            f"agent-{task.name}-turn{turn}",
+            "chat",
+            conversation=tuple(messages[: 2 * turn]),
+            tools=_AGENT_FUNCTION_TOOLS,
+        )
+        for turn in range(1, len(steps) + 2)
+    ]
+
+
+def _wrote(path: str, content: str) -> str:
+    return f"Wrote {len(content.encode())} bytes to {path}."
+
+
+_AGENT_FUNCTION_TOOLS = tuple({"type": "function", "function": tool} for tool in _AGENT_TOOLS)
+# A coding agent's conversations, each turn with the conversation before it: later replies
+# repeat the file the agent read, the file it wrote and the command it ran.
+AGENT = [item for task in TASKS for item in _agent_conversation(task)]
 
 PROSE = _chat(
     "prose",
@@ -396,6 +460,7 @@ FIM = [
 ]
 
 BUNDLED: dict[str, list[WorkItem]] = {
+    "agent": AGENT,
     "code-completion": CODE_COMPLETION,
     "code-edit": CODE_EDIT,
     "coding-chat": CODING_CHAT,

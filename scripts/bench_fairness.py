@@ -6,12 +6,14 @@ tenants), all side by side, and measures them in ABBA order (before, after, afte
 for two trees). Each pass on a server:
 
 - solo: B sends --requests short streamed chats (8 tokens), one after another;
-- flood: A keeps --flood chats with `n: 4` (96 tokens) and --renders render calls in flight,
-  each sent again as soon as it ends; once A's first token has come, B sends the same short
-  chats. A's answers are counted by status (200, 429, 503...).
+- chats: A keeps --chats chats with `n: 4` (96 tokens) in flight, each sent again as soon as
+  it ends; once the engine runs --max-num-seqs of A's sequences and more of A's wait (in
+  vLLM's queue or specserve's line), B sends the same short chats (the engine's share);
+- renders: A keeps --renders render calls in flight instead (the front door's share).
+A's answers are counted by kind and status (200, 429, 503...).
 
 B's time to first token (p50, p95) per server and phase goes to <out>/fairness.md with the
-ratio flood / solo, lscpu to <out>/lscpu.txt, every sample to <out>/samples.jsonl. B's
+ratio to solo, lscpu to <out>/lscpu.txt, every sample to <out>/samples.jsonl. B's
 requests give up after --timeout seconds (counted, not waited for).
 
     .venv/bin/python scripts/bench_fairness.py --out docs/benchmarks/fairness-<commit>-<cpu> \\
@@ -37,6 +39,7 @@ from bench_loadtest import _start
 
 from loadtest.launch import stop
 
+PHASES = ("solo", "chats", "renders")
 KEYS = {"a": "sk-bench-flood-0000000000", "b": "sk-bench-light-0000000000"}
 SHORT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
 WIDE = {
@@ -51,9 +54,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tree", action="append", required=True, help="NAME=PATH of a tree")
     parser.add_argument("--requests", type=int, default=6, help="B's chats per phase")
-    parser.add_argument("--flood", type=int, default=8, help="A's n:4 chats in flight")
-    parser.add_argument("--renders", type=int, default=8, help="A's render calls in flight")
+    parser.add_argument("--chats", type=int, default=12, help="A's n:4 chats in flight")
+    parser.add_argument("--renders", type=int, default=24, help="A's render calls in flight")
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="the servers' engine's")
     parser.add_argument("--port", type=int, default=8300)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -78,9 +82,9 @@ def main() -> None:
         order = names + names[::-1]
         samples: list[dict[str, Any]] = []
         for number, name in enumerate(order):
-            for phase in ("solo", "flood"):
+            for phase in PHASES:
                 port = servers[name][1]
-                ttfts, statuses = asyncio.run(_phase(port, phase == "flood", args))
+                ttfts, statuses = asyncio.run(_phase(port, phase, args))
                 print(f"[{name} pass {number}] {phase}: B TTFT {ttfts}; A {dict(statuses)}")
                 samples.append(
                     {"server": name, "pass": number, "phase": phase, "ttft": ttfts, "a": statuses}
@@ -95,29 +99,31 @@ def main() -> None:
 
 
 async def _phase(
-    port: int, flood: bool, args: argparse.Namespace
-) -> tuple[list[float | None], Counter[int]]:
-    """B's TTFTs (None: gave up) and A's answers by status, with or without A's flood."""
+    port: int, phase: str, args: argparse.Namespace
+) -> tuple[list[float | None], Counter[str]]:
+    """B's TTFTs (None: gave up) and A's answers by status, in one of the PHASES."""
     url = f"http://127.0.0.1:{port}"
     async with httpx.AsyncClient(base_url=url, headers=_auth("b")) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-    a_statuses: Counter[int] = Counter()
-    first_a_token = asyncio.Event()
-    limits = httpx.Limits(max_connections=args.flood + args.renders + 4)
+    a_statuses: Counter[str] = Counter()
+    first_render = asyncio.Event()
+    limits = httpx.Limits(max_connections=args.chats + args.renders + 4)
     async with (
         httpx.AsyncClient(base_url=url, headers=_auth("a"), timeout=None, limits=limits) as a,
         httpx.AsyncClient(base_url=url, headers=_auth("b"), timeout=args.timeout) as b,
     ):
         loops = []
-        if flood:
+        if phase == "chats":
             loops = [
-                asyncio.create_task(_chat_loop(a, model, a_statuses, first_a_token))
-                for _ in range(args.flood)
+                asyncio.create_task(_chat_loop(a, model, a_statuses)) for _ in range(args.chats)
             ]
-            loops += [
-                asyncio.create_task(_render_loop(a, model, a_statuses)) for _ in range(args.renders)
+            await _until_flooded(port + 1, args.max_num_seqs)
+        if phase == "renders":
+            loops = [
+                asyncio.create_task(_render_loop(a, model, a_statuses, first_render))
+                for _ in range(args.renders)
             ]
-            await first_a_token.wait()
+            await first_render.wait()
         ttfts = [await _ttft(b, model) for _ in range(args.requests)]
         for loop in loops:
             loop.cancel()
@@ -131,83 +137,105 @@ def _auth(tenant: str) -> dict[str, str]:
 
 
 async def _ttft(client: httpx.AsyncClient, model: str) -> float | None:
+    """One short streamed chat of B's: seconds to its first content, read to its end."""
     started = time.perf_counter()
     body = {**SHORT, "model": model, "stream": True, "temperature": 0}
+    ttft = None
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
                 return None
             async for line in response.aiter_lines():
-                if '"content":"' in line:
+                if ttft is None and _has_content(line):
                     ttft = time.perf_counter() - started
-                    async for _ in response.aiter_lines():
-                        pass
-                    return ttft
     except httpx.TimeoutException:
         return None
-    return None
+    return ttft
 
 
-async def _chat_loop(
-    client: httpx.AsyncClient, model: str, statuses: Counter[int], first: asyncio.Event
-) -> None:
+async def _chat_loop(client: httpx.AsyncClient, model: str, statuses: Counter[str]) -> None:
     body = {**WIDE, "model": model, "stream": True, "temperature": 1}
     while True:
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-            statuses[response.status_code] += 1
-            async for line in response.aiter_lines():
-                if '"content":"' in line:
-                    first.set()
+            statuses[f"chat {response.status_code}"] += 1
+            async for _ in response.aiter_lines():
+                pass
         if response.status_code != 200:
             await asyncio.sleep(float(response.headers.get("retry-after", "1")))
 
 
-async def _render_loop(client: httpx.AsyncClient, model: str, statuses: Counter[int]) -> None:
+def _has_content(line: str) -> bool:
+    """Whether an SSE line carries generated text (the first chunk carries only the role)."""
+    if not line.startswith("data: {"):
+        return False
+    choices = json.loads(line[len("data: ") :]).get("choices") or [{}]
+    return bool(choices[0].get("delta", {}).get("content"))
+
+
+async def _render_loop(
+    client: httpx.AsyncClient, model: str, statuses: Counter[str], first: asyncio.Event
+) -> None:
     while True:
         response = await client.post("/v1/chat/completions/render", json={**WIDE, "model": model})
-        statuses[response.status_code] += 1
+        statuses[f"render {response.status_code}"] += 1
+        first.set()
         if response.status_code != 200:
             await asyncio.sleep(float(response.headers.get("retry-after", "1")))
+
+
+async def _metrics(metrics_port: int) -> dict[str, float]:
+    """The server's unlabelled-or-first value of each metric family."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        text = (await client.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            values.setdefault(name, float(line.rsplit(" ", 1)[1]))
+    return values
+
+
+async def _until_flooded(metrics_port: int, max_num_seqs: int) -> None:
+    """Wait until A's sequences fill the engine and more of them wait."""
+    while True:
+        values = await _metrics(metrics_port)
+        waiting = values.get("vllm:num_requests_waiting", 0) + values.get(
+            "specserve_requests_queued", 0
+        )
+        if values.get("vllm:num_requests_running", 0) >= max_num_seqs and waiting > 0:
+            return
+        await asyncio.sleep(0.2)
 
 
 async def _until_idle(metrics_port: int) -> None:
     """Wait until A's cancelled requests have left the server (specserve_requests_running)."""
-    async with httpx.AsyncClient(timeout=30) as client:
-        while True:
-            text = (await client.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
-            running = [
-                float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines()
-                if line.startswith("specserve_requests_running")
-            ]
-            if running and running[0] == 0:
-                return
-            await asyncio.sleep(0.5)
+    while (await _metrics(metrics_port)).get("specserve_requests_running", 1) != 0:
+        await asyncio.sleep(0.5)
 
 
 def _table(samples: list[dict[str, Any]], names: list[str], args: argparse.Namespace) -> str:
     lines = [
-        f"B: {args.requests} short streamed chats (8 tokens) per phase; A's flood: {args.flood} "
-        f"chats with n: 4 (96 tokens) and {args.renders} render calls in flight.",
+        f"B: {args.requests} short streamed chats (8 tokens) per phase; A's flood: {args.chats} "
+        f"chats with n: 4 (96 tokens), or {args.renders} render calls, in flight.",
         "",
-        "| server | phase | B TTFT p50 s | B TTFT p95 s | B gave up | flood / solo p50 "
+        "| server | phase | B TTFT p50 s | B TTFT p95 s | B gave up | p50 / solo p50 "
         "| A's answers |",
         "|---|---|---|---|---|---|---|",
     ]
     for name in names:
         p50s = {}
-        for phase in ("solo", "flood"):
+        for phase in PHASES:
             chosen = [s for s in samples if s["server"] == name and s["phase"] == phase]
             ttfts = [t for s in chosen for t in s["ttft"]]
             done = sorted(t for t in ttfts if t is not None)
-            answers: Counter[int] = Counter()
+            answers: Counter[str] = Counter()
             for s in chosen:
-                answers.update({int(k): v for k, v in s["a"].items()})
+                answers.update(s["a"])
             p50s[phase] = statistics.median(done) if done else None
             p95 = done[min(len(done) - 1, round(0.95 * (len(done) - 1)))] if done else None
             ratio = (
-                f"{p50s['flood'] / p50s['solo']:.1f}x"
-                if phase == "flood" and p50s["flood"] and p50s["solo"]
+                f"{p50s[phase] / p50s['solo']:.1f}x"
+                if phase != "solo" and p50s[phase] and p50s["solo"]
                 else "-"
             )
             lines.append(

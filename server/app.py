@@ -152,6 +152,7 @@ def create_app(
         admission=admission,
         render_admission=render_admission,
         rate_limiter=rate_limiter,
+        engine=engine,
     )
     app.add_middleware(
         BodyLimitsMiddleware,

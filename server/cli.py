@@ -81,6 +81,8 @@ SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--max-completion-sequences", {"type": int}),
     ("--max-json-schema-bytes", {"type": int}),
     ("--max-json-schema-depth", {"type": int}),
+    ("--max-json-schema-items", {"type": int}),
+    ("--max-grammar-symbols", {"type": int}),
     ("--max-concurrent-requests", {"type": int}),
     ("--max-queued-requests", {"type": int}),
     ("--queue-timeout-seconds", {"type": float}),

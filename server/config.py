@@ -58,6 +58,12 @@ DEFAULT_QUEUE_TIMEOUT_SECONDS = 60.0
 DEFAULT_REQUEST_TIMEOUT_SECONDS = 600.0
 # Kubernetes' default terminationGracePeriodSeconds.
 DEFAULT_DRAIN_TIMEOUT_SECONDS = 30.0
+# The grammar a JSON schema may compile to, in llguidance's symbols (engine/grammar.py):
+# above what schemas filling --max-json-schema-bytes with properties (17,000) or small arrays
+# (28,000) take, under the 65,535 symbols llguidance's compiled grammar holds (more is a
+# panic in the EngineCore), and a tenth of llguidance's own 500,000, at which a 3.5 KB
+# schema of anyOf inside allOf held the engine's compile for 7 s.
+DEFAULT_MAX_GRAMMAR_SYMBOLS = 50_000
 # A port of its own for /metrics (exporters commonly use the 9xxx range).
 DEFAULT_METRICS_PORT = 9400
 
@@ -390,6 +396,23 @@ class Settings(BaseSettings):
         "(400 above). 32 admits OpenAI's 10 levels of nested objects (two each here: "
         "`properties`, then the property's schema) with room for `anyOf`, `items` and `$defs`; "
         "vLLM refuses more than 64 whatever this says.",
+    )
+    max_json_schema_items: int = Field(
+        DEFAULT_LIMITS.max_json_schema_items,
+        ge=0,
+        description="Largest `minItems` or `maxItems` anywhere in such a schema (400 above): "
+        "the grammar backend writes an array out position by position up to it, before any "
+        "limit of its own applies.",
+    )
+    max_grammar_symbols: int = Field(
+        DEFAULT_MAX_GRAMMAR_SYMBOLS,
+        ge=1,
+        description="Largest grammar the JSON schema a request's reply must match may compile "
+        "to, in the grammar backend's (llguidance's) symbols (400 above), checked in the API "
+        "process before vLLM builds it there and in its engine: it bounds the time and "
+        "memory of those builds. Schemas filling --max-json-schema-bytes with properties take "
+        "17,000, with small arrays 28,000 (an array takes about two per item it may hold); "
+        "llguidance's compiled grammars hold at most 65,535.",
     )
     metrics_need_key: bool = Field(
         False, description="Require an API key on /metrics too (it is open by default)."

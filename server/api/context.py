@@ -30,7 +30,7 @@ class RequestContext:
     # the sequences the request's tenant held when it was admitted (admission_queue.py).
     priority: int = 0
     # The generation's token accounting, once a route has one; the admission middleware
-    # charges its tokens to the tenant's rate limit when the request ends.
+    # settles its tokens against the tenant's rate limit when the request ends.
     observer: RequestObserver | None = None
 
 

@@ -234,6 +234,7 @@ def resolve(settings: Settings) -> EngineConfig:
         distributed_executor_backend=settings.distributed_executor_backend,
         tool_call_parser=settings.tool_call_parser,
         progress_bars=settings.log_format == "text",
+        max_grammar_symbols=settings.max_grammar_symbols,
     )
 
 

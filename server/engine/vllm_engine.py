@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from server.autopilot.idle import IdleReason
-from server.config import DRAFT_METHODS
+from server.config import DEFAULT_MAX_GRAMMAR_SYMBOLS, DRAFT_METHODS
+from server.engine import grammar
 from server.engine.autopilot_feed import AutopilotFeed
 from server.engine.calibration import calibrate
 from server.engine.compat import kv_cache_gib_for
@@ -102,6 +103,8 @@ class EngineConfig:
     shared_prefix_cache: bool = False
     # specserve's patches inside vLLM's engine: always on CPUs; on GPUs only when asked.
     engine_patches: bool = True
+    # The largest grammar a request's JSON schema may compile to (grammar.py).
+    max_grammar_symbols: int = DEFAULT_MAX_GRAMMAR_SYMBOLS
 
 
 def speculation_schedule(k: int, max_batch_size: int, max_num_seqs: int) -> list[list[int]]:
@@ -268,10 +271,9 @@ class VllmEngine:
         lookups = "lookup" in patches
         synchronous = any(registry.BY_NAME[name].synchronous for name in patches)
         return AsyncEngineArgs(
-            # llguidance: the widest JSON Schema coverage of vLLM's grammar backends. Compact
-            # JSON: free whitespace between tokens would let a small model pad forever.
+            # llguidance: the widest JSON Schema coverage of vLLM's grammar backends.
             structured_outputs_config=StructuredOutputsConfig(
-                backend="guidance", disable_any_whitespace=True
+                backend="guidance", disable_any_whitespace=grammar.COMPACT_JSON
             ),
             model=config.model,
             quantization=config.quantization,  # type: ignore[arg-type]  # vLLM's names
@@ -518,12 +520,15 @@ class VllmEngine:
     def validate(self, request: GenerationRequest) -> None:
         """Refuse what vLLM would refuse, before any response is sent: the checks its
         input processor runs when the request arrives (a JSON schema its grammar backend
-        cannot compile among them), run here so a stream never starts with them."""
+        cannot compile among them), run here so a stream never starts with them. The
+        schema's grammar is bounded first, so vLLM's builds of it are too."""
         from vllm.exceptions import VLLMClientError
 
         if self._llm is None:
             raise EngineUnavailableError("the engine is not running")
         self.check_patched_features(request.sampling)
+        if request.sampling.json_format is not None:
+            grammar.check(request.sampling.json_format, self._config.max_grammar_symbols)
         params = sampling_params(request.sampling)
         vllm_config = self._llm.vllm_config
         try:

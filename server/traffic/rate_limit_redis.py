@@ -1,18 +1,22 @@
 """Per-tenant rate limits kept in Redis, so N replicas together enforce one limit.
 
 The buckets are rate_limit.py's, held in one Redis hash per tenant and kind
-(level and time). Each decision is one Lua script, which Redis runs
-atomically and on its own clock, so replicas never race or disagree about
-time; a key expires once its bucket would be full again, which is the same as
-no key. Both keys of a tenant share a hash tag, so a Redis Cluster keeps them
-on one node.
+(level and time), with its rules: a request reserves its estimate of tokens
+at admission and settles them when it ends. Each admission and each
+settlement is one Lua script, which Redis runs atomically and on its own
+clock, so replicas never race or disagree about time, nor overdraw a bucket
+between them; a key expires once its bucket would be full again, which is the
+same as no key. Both keys of a tenant share a hash tag, so a Redis Cluster
+keeps them on one node.
 
 Redis unreachable: `on_store_failure` "open" admits without a limit, "closed"
 refuses with 503; either way a warning is logged once per outage and
 `specserve_rate_limit_store_failures_total` counts the decisions made without
-the store. The client reconnects on the next decision, so the limits return
-by themselves with Redis. A changed limit (a reloaded key file) applies from
-the next decision; a bucket above a lowered limit is cut to it.
+the store. A request admitted without the store reserved nothing, so its
+whole use is charged when it ends. The client reconnects on the next decision,
+so the limits return by themselves with Redis. A changed limit (a reloaded key
+file) applies from the next decision; a bucket above a lowered limit is cut to
+it.
 """
 
 import logging
@@ -23,7 +27,7 @@ from redis.exceptions import RedisError
 
 from server.errors import OverloadedError
 from server.metrics import RATE_LIMIT_STORE_FAILURES, REFUSED
-from server.traffic.rate_limit import Bucket, TenantLimits, headers, refuse_if_empty
+from server.traffic.rate_limit import Admitted, Bucket, TenantLimits, headers, refuse_if_short
 
 logger = logging.getLogger(__name__)
 
@@ -50,33 +54,39 @@ local function store(key, per_minute, level)
 end
 """
 
-# KEYS: the requests and tokens buckets; ARGV: their limits per minute (0: none).
-# Admits (1) and takes one request when no bucket is empty, else refuses (0); returns that
-# and the levels after it ("" where there is no limit).
+# KEYS: the requests and tokens buckets; ARGV: their limits per minute (0: none), the
+# tokens to reserve. Admits (1), taking one request and the reservation, when every bucket
+# covers its part (Bucket.needed: a full tokens bucket covers any reservation), else refuses
+# (0); returns that and the levels after it ("" where there is no limit).
 _ADMIT = (
     _BUCKETS
     + """
-local rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
+local rpm, tpm, estimate = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local requests, tokens = nil, nil
 if rpm > 0 then requests = refilled(KEYS[1], rpm) end
 if tpm > 0 then tokens = refilled(KEYS[2], tpm) end
-if (requests ~= nil and requests < 1) or (tokens ~= nil and tokens < 1) then
+if (requests ~= nil and requests < 1) or (tokens ~= nil and tokens < math.min(estimate, tpm)) then
   return {0, fmt(requests), fmt(tokens)}
 end
 if requests ~= nil then
   requests = requests - 1
   store(KEYS[1], rpm, requests)
 end
+if tokens ~= nil then
+  tokens = tokens - estimate
+  store(KEYS[2], tpm, tokens)
+end
 return {1, fmt(requests), fmt(tokens)}
 """
 )
 
-# KEYS: the tokens bucket; ARGV: its limit per minute, the tokens to take.
-_CHARGE = (
+# KEYS: the tokens bucket; ARGV: its limit per minute, the tokens reserved, the tokens used.
+# The difference back or taken (a level past the limit is cut back by the next `refilled`).
+_SETTLE = (
     _BUCKETS
     + """
 local tpm = tonumber(ARGV[1])
-store(KEYS[1], tpm, refilled(KEYS[1], tpm) - tonumber(ARGV[2]))
+store(KEYS[1], tpm, refilled(KEYS[1], tpm) + tonumber(ARGV[2]) - tonumber(ARGV[3]))
 return 1
 """
 )
@@ -97,7 +107,7 @@ class RedisRateLimiter:
             socket_connect_timeout=_STORE_TIMEOUT_SECONDS,
         )
         self._admit = self._redis.register_script(_ADMIT)
-        self._charge = self._redis.register_script(_CHARGE)
+        self._settle = self._redis.register_script(_SETTLE)
         self._limits = limits
         self._on_store_failure = on_store_failure
         self._store_down = False
@@ -108,13 +118,15 @@ class RedisRateLimiter:
     async def close(self) -> None:
         await self._redis.aclose()
 
-    async def admit(self, tenant: str) -> dict[str, str]:
+    async def admit(self, tenant: str, estimate: int) -> Admitted:
         limits = self._limits.get(tenant, TenantLimits())
         rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
         if rpm is None and tpm is None:
-            return {}
+            return Admitted({}, 0)
         try:
-            admitted, *levels = await self._admit(keys=_keys(tenant), args=[rpm or 0, tpm or 0])
+            admitted, *levels = await self._admit(
+                keys=_keys(tenant), args=[rpm or 0, tpm or 0, estimate]
+            )
         except RedisError as exc:
             self._failed(exc)
             if self._on_store_failure == "closed":
@@ -124,22 +136,22 @@ class RedisRateLimiter:
                     "unreachable); retry later",
                     headers={"Retry-After": "1"},
                 ) from None
-            return {}
+            return Admitted({}, 0)
         self._reached()
         requests, tokens = (
             Bucket(per_minute, 0.0, float(level)) if per_minute else None
             for per_minute, level in zip((rpm, tpm), levels, strict=True)
         )
         if not admitted:
-            refuse_if_empty(tenant, requests, tokens)
-        return headers(requests, tokens)
+            refuse_if_short(tenant, requests, tokens, estimate)
+        return Admitted(headers(requests, tokens), estimate if tokens is not None else 0)
 
-    async def charge_tokens(self, tenant: str, count: int) -> None:
+    async def settle(self, tenant: str, reserved: int, used: int) -> None:
         tpm = self._limits.get(tenant, TenantLimits()).tokens_per_minute
         if tpm is None:
             return
         try:
-            await self._charge(keys=_keys(tenant)[1:], args=[tpm, count])
+            await self._settle(keys=_keys(tenant)[1:], args=[tpm, reserved, used])
         except RedisError as exc:
             self._failed(exc)
             return

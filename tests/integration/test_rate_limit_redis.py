@@ -1,7 +1,8 @@
 """Rate limits kept in a real Redis (Debian's redis-server, installed by `make
 tools`): two specserve processes over the scripted engine enforce one tenant's
 limit together, and when Redis goes away each follows its failure mode and
-enforces the limit again once Redis is back."""
+enforces the limit again once Redis is back; two limiters on one Redis reserve
+and settle a tenant's tokens together."""
 
 import contextlib
 import json
@@ -16,6 +17,9 @@ import httpx
 import pytest
 
 from loadtest.launch import wait_until_up
+from server.errors import RateLimitError
+from server.traffic.rate_limit import TenantLimits
+from server.traffic.rate_limit_redis import RedisRateLimiter
 from tests.net import free_port
 from tests.redis_server import RedisServer
 
@@ -110,3 +114,44 @@ def test_without_redis_the_failure_mode_applies_and_the_limit_returns_with_it(
         print(f"\nafter Redis came back ({on_failure}): {statuses}")
         assert statuses[-1] == 429
         assert statuses.count(200) >= REQUESTS_PER_MINUTE
+
+
+async def test_two_limiters_on_one_redis_reserve_and_settle_tokens_together(
+    redis_server: RedisServer,
+) -> None:
+    # 60 tokens per minute: the buckets refill one token a second, on Redis's clock.
+    limits = {tenant: TenantLimits(tokens_per_minute=60) for tenant in ("team", "big", "full")}
+    a = RedisRateLimiter(redis_server.url, limits, "closed")
+    b = RedisRateLimiter(redis_server.url, limits, "closed")
+    started = time.monotonic()
+    try:
+        admitted = await a.admit("team", 40)
+        assert admitted.reserved_tokens == 40
+        assert admitted.headers["x-ratelimit-remaining-tokens"] == "20"
+        with pytest.raises(RateLimitError) as refused:
+            await b.admit("team", 40)  # the other replica sees the reservation
+        assert refused.value.type == "tokens"
+        assert "Limit 60, Used 40, Requested 40." in refused.value.message
+        await a.settle("team", 40, 10)  # 30 back
+        remaining = (await b.admit("team", 40)).headers["x-ratelimit-remaining-tokens"]
+        await b.settle("team", 40, 100)  # 60 more than reserved
+        with pytest.raises(RateLimitError) as in_debt:
+            await a.admit("team", 1)
+        refill = math.ceil(time.monotonic() - started)  # at most this many tokens came back
+        assert 10 <= int(remaining) <= 10 + refill
+        assert 50 - refill <= int(in_debt.value.headers["Retry-After"]) <= 51
+
+        # Larger than a minute's allowance: admitted on the full bucket, into debt.
+        admitted = await a.admit("big", 100)
+        assert admitted.reserved_tokens == 100
+        assert admitted.headers["x-ratelimit-remaining-tokens"] == "0"
+        assert admitted.headers["x-ratelimit-reset-tokens"] == "1m40s"
+        with pytest.raises(RateLimitError):
+            await b.admit("big", 100)
+
+        # A refund never fills a bucket past its limit.
+        await a.settle("full", 50, 0)
+        assert (await b.admit("full", 60)).headers["x-ratelimit-remaining-tokens"] == "0"
+    finally:
+        await a.close()
+        await b.close()

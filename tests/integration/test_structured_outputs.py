@@ -120,6 +120,55 @@ async def test_a_schema_the_grammar_cannot_take_is_400_before_any_stream(
     assert caught.value.body["param"] == "response_format"  # type: ignore[index]
 
 
+# Within the size and depth bounds, but llguidance expands it to 10**4 arrays, 70,000 symbols.
+PRODUCTS = {
+    "allOf": [
+        {
+            "anyOf": [
+                {"type": "array", "items": {"type": "integer", "minimum": 100 * i + j}}
+                for j in range(10)
+            ]
+        }
+        for i in range(4)
+    ]
+}
+# 60 bytes that would have llguidance write out 10**8 array positions: memory exhausted.
+HUGE_ARRAY = {"type": "array", "items": {"type": "integer"}, "minItems": 10**8}
+
+
+@pytest.mark.parametrize(
+    ("schema", "param", "bound"),
+    [
+        (PRODUCTS, "response_format", "(--max-grammar-symbols)"),
+        (HUGE_ARRAY, "response_format.json_schema.schema", "(--max-json-schema-items)"),
+    ],
+    ids=["grammar symbols", "array items"],
+)
+async def test_a_schema_over_a_grammar_bound_is_400_and_structured_outputs_go_on(
+    spec_server: RunningServer, schema: dict[str, object], param: str, bound: str
+) -> None:
+    client = client_for(spec_server)
+    refused = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            response_format=refused,  # type: ignore[arg-type]
+            max_tokens=8,
+        )
+    assert caught.value.body["param"] == param  # type: ignore[index]
+    assert bound in caught.value.message
+    served = await client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        response_format=RESPONSE_FORMAT,  # type: ignore[arg-type]
+        max_tokens=64,
+        temperature=0,
+    )
+    assert served.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(served.choices[0].message.content or ""), SCHEMA)
+
+
 async def test_suffix_on_a_model_without_fill_in_the_middle_tokens_is_400(
     spec_server: RunningServer,
 ) -> None:

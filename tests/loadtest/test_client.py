@@ -173,3 +173,30 @@ async def test_whole_response_ttft_is_e2el() -> None:
     assert record.success
     assert record.ttft == record.e2el == pytest.approx(2.0)
     assert record.output_tokens == 5 and record.text == "hi"
+
+
+CALL = {"name": "read_file", "arguments": '{"path": "loadtest/sse.py"}'}
+
+
+async def test_a_stream_of_tool_calls_only_times_the_calls() -> None:
+    """specserve sends a parsed call whole once the reply ends: its text is the name and the
+    arguments, and the first token is seen with the last."""
+    clock = Clock()
+    call = {"index": 0, "id": "call_1", "type": "function", "function": CALL}
+    parts = [
+        (0.01, chat_chunk(role="assistant", content="")),
+        (0.99, sse({"choices": [{"index": 0, "delta": {"tool_calls": [call]}}]})),
+        (0.0, sse({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 14}})),
+        (0.0, b"data: [DONE]\n\n"),
+    ]
+    record = await run(CHAT, httpx.Response(200, stream=TimedStream(clock, parts)), clock)
+    assert record.success and record.output_tokens == 14
+    assert record.ttft == record.e2el == pytest.approx(1.0)
+    assert record.text == 'read_file{"path": "loadtest/sse.py"}'
+
+
+async def test_a_whole_reply_of_tool_calls_has_their_text() -> None:
+    message = {"content": None, "tool_calls": [{"id": "c", "type": "function", "function": CALL}]}
+    body = {"choices": [{"index": 0, "message": message}], "usage": {"completion_tokens": 14}}
+    record = await run(CHAT, httpx.Response(200, json=body), Clock(), stream=False)
+    assert record.success and record.text == 'read_file{"path": "loadtest/sse.py"}'

@@ -219,6 +219,7 @@ def test_bad_jsonl_lines_are_refused_with_their_place(tmp_path: Path, line: str)
         ["run", "--url", "http://x", "--concurrency", "0"],
         ["run", "--url", "http://x", "--body", "[1]"],
         ["run", "--url", "http://x", "--body", '{"stream": false}'],
+        ["run", "--url", "http://x", "--workload", "agent", "--body", '{"tools": []}'],
         ["compare", "--a", "http://x", "--b", "http://x", "--b-body", '{"max_tokens": 9}'],
     ],
 )

@@ -1,5 +1,6 @@
-"""Admission control: bounded slots and queue, fast 503s, deadlines, and the
-drain/readiness lifecycle, over the real app and a scripted engine."""
+"""Admission control: bounded slots and queue, fast 503s, deadlines, tokens reserved
+against a tenant's limit, and the drain/readiness lifecycle, over the real app and a
+scripted engine."""
 
 import asyncio
 import json
@@ -14,13 +15,14 @@ import pytest
 from fastapi import FastAPI
 from starlette.types import Message, Receive, Scope, Send
 
-from server.api.admission import AdmissionMiddleware
+from server.api.admission import AdmissionMiddleware, Demand, demand_of
 from server.app import create_app
 from server.errors import OverloadedError
 from server.logs import JsonFormatter, configure_logging
+from server.metrics import ANONYMOUS_TENANT
 from server.traffic.admission_queue import AdmissionController, Ticket
 from server.traffic.lifecycle import Lifecycle
-from server.traffic.rate_limit import RateLimiter
+from server.traffic.rate_limit import RateLimiter, TenantLimits
 from tests.unit.scripted_engine import ScriptedEngine
 
 BODY = {"model": "scripted", "prompt": "a b", "max_tokens": 7}
@@ -264,7 +266,9 @@ async def test_a_queued_request_whose_client_hangs_up_leaves_the_line_at_once() 
         await send({"type": "http.response.body", "body": b"done"})
 
     renders = AdmissionController(1, 1, queue_timeout_seconds=30)
-    app = AdmissionMiddleware(engine_route, Lifecycle(), admission, renders, RateLimiter({}))
+    app = AdmissionMiddleware(
+        engine_route, Lifecycle(), admission, renders, RateLimiter({}), ScriptedEngine()
+    )
 
     def call(client: _Client) -> "asyncio.Task[None]":
         scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
@@ -372,26 +376,115 @@ async def test_without_keys_the_shared_line_is_the_only_bound() -> None:
     await asyncio.gather(*waiting, return_exceptions=True)
 
 
+# The chat message below as compact JSON, `[{"role":"user","content":"hi"}]`: 32 bytes.
+HI = [{"role": "user", "content": "hi"}]
+
+
 @pytest.mark.parametrize(
-    ("path", "body", "sequences"),
+    ("path", "body", "sequences", "tokens"),
     [
-        ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 4}, 12),
-        ("/v1/completions", {"prompt": [[1, 2], [3]], "n": 2}, 4),
-        ("/v1/completions", {"prompt": [1, 2, 3], "n": 2}, 2),  # one tokenized prompt
-        ("/v1/completions", {"prompt": "a", "n": True}, 1),
-        ("/v1/chat/completions", {"messages": [], "n": 4}, 4),
-        ("/v1/chat/completions", {"messages": [], "prompt": ["a", "b"]}, 1),
-        ("/v1/responses", {"input": "a"}, 1),
-        ("/v1/completions", None, 1),  # not JSON: the route answers 400
+        # Three one-token prompts, each with four choices of completions' default 16 tokens.
+        ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 4}, 12, 3 * (1 + 4 * 16)),
+        # Token ids count one each.
+        ("/v1/completions", {"prompt": [[1, 2], [3]], "n": 2, "max_tokens": 5}, 4, 2 + 1 + 4 * 5),
+        # One tokenized prompt; max_tokens null: what the context leaves (64 tokens here).
+        ("/v1/completions", {"prompt": [1, 2, 3], "n": 2, "max_tokens": None}, 2, 3 + 2 * 61),
+        ("/v1/completions", {"prompt": "a", "n": True}, 1, 1 + 16),
+        # Bytes, not characters: 9 for these three.
+        ("/v1/completions", {"prompt": "日本語", "max_tokens": 1}, 1, 3 + 1),
+        # A limit beyond the context reserves what the context leaves.
+        ("/v1/completions", {"prompt": "abcdefgh", "suffix": "ijkl", "max_tokens": 100}, 1, 64),
+        ("/v1/chat/completions", {"messages": HI, "n": 4, "max_tokens": 3}, 4, 8 + 4 * 3),
+        (
+            "/v1/chat/completions",
+            {"messages": HI, "max_tokens": 3, "max_completion_tokens": 5},
+            1,
+            8 + 5,
+        ),
+        ("/v1/chat/completions", {"messages": HI, "n": 2}, 2, 8 + 2 * (64 - 8)),
+        ("/v1/chat/completions", {"messages": HI, "prompt": ["a", "b"]}, 1, 64),
+        (
+            "/v1/responses",
+            {"input": "abcdefgh", "instructions": "be brief", "max_output_tokens": 10},
+            1,
+            2 + 2 + 10,
+        ),
+        ("/v1/responses", {"input": "a", "n": 3}, 3, 1 + 3 * 63),  # its route refuses n
+        ("/v1/completions", None, 1, 0),  # not JSON: the route answers 400
     ],
 )
-def test_a_request_counts_its_prompts_times_n(
-    path: str, body: dict[str, object] | None, sequences: int
+def test_a_request_asks_for_its_prompts_times_n_and_reserves_its_tokens(
+    path: str, body: dict[str, object] | None, sequences: int, tokens: int
 ) -> None:
-    from server.api.admission import sequences_of
-
     raw = json.dumps(body).encode() if body is not None else b"{not json"
-    assert sequences_of(path, {"type": "http.request", "body": raw}) == sequences
+    demand = demand_of(path, {"type": "http.request", "body": raw}, max_model_len=64)
+    assert demand == Demand(sequences, tokens)
+
+
+def _header(client: "_Client", name: bytes) -> str:
+    (start,) = [m for m in client.sent if m["type"] == "http.response.start"]
+    return dict(start["headers"])[name].decode()
+
+
+async def test_concurrent_requests_cannot_overdraw_their_tenant_s_tokens() -> None:
+    finish = asyncio.Event()
+
+    async def engine_route(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await finish.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"done"})
+
+    admission = AdmissionController(4, 4, queue_timeout_seconds=30)
+    renders = AdmissionController(1, 1, queue_timeout_seconds=30)
+    # A stopped clock: the bucket does not refill while the test runs, however slowly.
+    limiter = RateLimiter({ANONYMOUS_TENANT: TenantLimits(tokens_per_minute=40)}, lambda: 0.0)
+    app = AdmissionMiddleware(
+        engine_route, Lifecycle(), admission, renders, limiter, ScriptedEngine()
+    )
+    # Each reserves 17: "a b" at four bytes a token, and 16 to generate. Two fit in 40.
+    body = json.dumps({"prompt": "a b", "max_tokens": 16}).encode()
+
+    def call(client: _Client) -> "asyncio.Task[None]":
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+        return asyncio.create_task(app({**scope, "state": {}}, client.receive, client.send))
+
+    first, second, third = _Client(body), _Client(body), _Client(body)
+    calls = [call(first), call(second)]
+    await _until(lambda: admission.running == 2)
+    calls.append(call(third))
+    await _until(lambda: third.status is not None or admission.running == 3)
+    finish.set()
+    await asyncio.gather(*calls)
+    assert (first.status, second.status, third.status) == (200, 200, 429)
+    error = json.loads(third.sent[-1]["body"])["error"]
+    assert error["type"] == "tokens"
+    assert "Limit 40, Used 34, Requested 17." in error["message"]
+    remaining = [_header(c, b"x-ratelimit-remaining-tokens") for c in (first, second)]
+    assert remaining == ["23", "6"]
+    # They ended without generating (the route recorded no usage): both reservations came
+    # back, so the next request finds the bucket full.
+    fourth = _Client(body)
+    await call(fourth)
+    assert _header(fourth, b"x-ratelimit-remaining-tokens") == "23"
+
+
+async def test_a_request_the_line_refuses_gets_its_reservation_back() -> None:
+    async def route(scope: Scope, receive: Receive, send: Send) -> None:
+        raise AssertionError("never admitted")
+
+    admission = AdmissionController(1, 0, queue_timeout_seconds=30)
+    await admission.acquire(ONE)  # the engine is full and there is no line
+    renders = AdmissionController(1, 1, queue_timeout_seconds=30)
+    limiter = RateLimiter({ANONYMOUS_TENANT: TenantLimits(tokens_per_minute=40)}, lambda: 0.0)
+    app = AdmissionMiddleware(route, Lifecycle(), admission, renders, limiter, ScriptedEngine())
+    body = json.dumps({"prompt": "a b", "max_tokens": 16}).encode()
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    for _ in range(3):  # more than two reservations of 17 would hold
+        client = _Client(body)
+        await app({**scope, "state": {}}, client.receive, client.send)
+        assert client.status == 503
+    assert (await limiter.admit(ANONYMOUS_TENANT, 40)).reserved_tokens == 40
 
 
 async def test_render_calls_take_the_render_room_not_the_engines() -> None:
@@ -405,7 +498,9 @@ async def test_render_calls_take_the_render_room_not_the_engines() -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"done"})
 
-    app = AdmissionMiddleware(route, Lifecycle(), admission, renders, RateLimiter({}))
+    app = AdmissionMiddleware(
+        route, Lifecycle(), admission, renders, RateLimiter({}), ScriptedEngine()
+    )
     scope = {"type": "http", "method": "POST", "path": "/v1/completions/render", "headers": []}
     first, second = _Client(b"{}"), _Client(b"{}")
     calls = [asyncio.create_task(app({**scope, "state": {}}, first.receive, first.send))]

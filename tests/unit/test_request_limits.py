@@ -200,6 +200,7 @@ def test_the_defaults_are_the_limits_the_protocol_had_and_the_schema_bounds() ->
         "max_completion_sequences": 64,
         "max_json_schema_bytes": 65536,
         "max_json_schema_depth": 32,
+        "max_json_schema_items": 256,
     }
 
 
@@ -232,6 +233,12 @@ def _weighing(size: int) -> dict[str, Any]:
     """A schema of `size` bytes as compact JSON."""
     empty = len(json.dumps({"type": "object", "description": ""}, separators=(",", ":")))
     return {"type": "object", "description": "x" * (size - empty)}
+
+
+def _counting(items: int) -> dict[str, Any]:
+    """A schema whose deepest array asks for `items` items at least, the others for fewer."""
+    inner = {"type": "array", "items": {"type": "integer"}, "minItems": items}
+    return {"type": "object", "properties": {"a": {"type": "array", "maxItems": 2}, "b": inner}}
 
 
 def _chat_tool(name: str, parameters: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -308,12 +315,18 @@ SCHEMA_LIMITS = {
         _weighing(65536),
         "must be at most 65536 bytes as JSON (--max-json-schema-bytes); got 65537",
     ),
+    "items": (
+        _counting(257),
+        _counting(256),
+        "must bound arrays (minItems, maxItems) to at most 256 items "
+        "(--max-json-schema-items); got 257",
+    ),
 }
 
 
 @pytest.mark.parametrize("limit", SCHEMA_LIMITS)
 @pytest.mark.parametrize("place", SCHEMA_PLACES)
-async def test_a_schema_a_grammar_enforces_is_bounded_in_depth_and_size(
+async def test_a_schema_a_grammar_enforces_is_bounded_in_depth_size_and_items(
     client: httpx.AsyncClient, place: str, limit: str
 ) -> None:
     endpoint, fields, param = SCHEMA_PLACES[place]
