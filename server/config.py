@@ -152,9 +152,10 @@ class Settings(BaseSettings):
     lookup_index_tokens: int = Field(
         DEFAULT_LOOKUP_INDEX_TOKENS,
         ge=0,
-        description="hybrid: tokens of recent replies kept for lookups, over all tenants "
-        "(each tenant is proposed only its own; the oldest reply goes first; about 140 bytes "
-        "a token); 0: lookups in each request's own prompt and reply only.",
+        description="hybrid: tokens of recent replies kept for lookups, in one suffix tree "
+        "per tenant, bounded over all tenants (each tenant is proposed only its own; the oldest "
+        "reply goes first; about 400 bytes a token, 26 MB at the default); 0: lookups in each "
+        "request's own prompt and reply only.",
     )
     speculation: Literal["auto", "fixed"] = Field(
         "auto",

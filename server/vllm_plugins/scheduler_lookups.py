@@ -1,18 +1,22 @@
 """The hybrid proposer's side of the autopilot's scheduler (vLLM glue, EngineCore process).
 
-Before vLLM schedules a step, each decoding request's continuation is looked up in its own
-context and in its tenant's earlier replies (`server.autopilot.lookup`). A lookup replaces the
-draft's proposal for that request (`Request.spec_token_ids`, what vLLM schedules) where it is
-expected to make the request's tokens faster, cut to the tokens worth verifying at this
-machine's verify cost. The scheduler then idles the draft in a step whose requests all verify
-lookups, keeps lookup steps out of what its controller measures of the draft, and feeds each
-finished reply back into its tenant's index. In auto mode lookups also answer to what they
-measured: at a batch size where steps verifying lookups made fewer tokens per second than
-plain steps, none are proposed until that evidence fades (end_to_end.py). Calibration
-requests, requests with logit_bias and requests that capped their drafts at 0 get no lookups.
-An exception here turns lookups off for the rest of the process (`patching.contained`);
-the draft goes on alone. A failure of the autopilot turns them off too (the scheduler stops
-calling them): nothing is proposed past it. `LOOKUP` declares the patch for the registry.
+Before vLLM schedules a step, each decoding request's continuation is looked up in the suffix
+trees of its own context and of its tenant's earlier replies (`server.autopilot.suffix_tree`),
+priced by the trees' frequencies calibrated against what the target accepted
+(`server.autopilot.tree_pricing`). A lookup replaces the draft's proposal for that request
+(`Request.spec_token_ids`, what vLLM schedules) where it is expected to make the request's
+tokens faster, cut to the tokens worth verifying at this machine's verify cost. A match of any
+length may propose, one token of agreement included: after an edit, lookups resume where what
+followed the last tokens before was frequent. The scheduler then idles the draft in a step
+whose requests all verify lookups, keeps lookup steps out of what its controller measures of
+the draft, and feeds each finished reply into its tenant's tree. In auto mode lookups also
+answer to what they measured: at a batch size where steps verifying lookups made fewer tokens
+per second than plain steps, none are proposed until that evidence fades (end_to_end.py).
+Calibration requests, requests with logit_bias and requests that capped their drafts at 0 get
+no lookups. An exception here turns lookups off for the rest of the process
+(`patching.contained`); the draft goes on alone. A failure of the autopilot turns them off too
+(the scheduler stops calling them): nothing is proposed past it. `LOOKUP` declares the patch
+for the registry.
 """
 
 import time
@@ -22,8 +26,9 @@ from typing import Any
 from server.autopilot.acceptance import AcceptanceTracker, tokens_by_k
 from server.autopilot.cost_model import CostModel
 from server.autopilot.end_to_end import EndToEnd
-from server.autopilot.lookup import Lookup, Proposal
 from server.autopilot.reports import SchedulerReport, Verified
+from server.autopilot.suffix_tree import Proposal, SuffixProposer
+from server.autopilot.tree_pricing import TreePricing
 from server.vllm_plugins import patching
 from server.vllm_plugins.request_args import (
     CALIBRATION_PREFIX,
@@ -80,7 +85,11 @@ class SchedulerLookups:
         acceptance: AcceptanceTracker,
         veto: EndToEnd | None,
     ) -> None:
-        self._lookup = Lookup(max_tokens, index_tokens)
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.max_tokens = max_tokens  # the most tokens of a lookup verified in one step
+        self._proposer = SuffixProposer(index_tokens)
+        self._pricing = TreePricing()
         self._veto = veto  # auto mode: no lookups at a batch size where they measured slower
         self._cost = cost
         self._acceptance = acceptance  # the draft's, which a lookup is weighed against
@@ -89,10 +98,6 @@ class SchedulerLookups:
         self._by_origin = {"prompt": Verified(), "replies": Verified()}
         self._seconds = 0.0  # spent finding lookups
         self._rounds = 0  # steps that looked up
-
-    @property
-    def max_tokens(self) -> int:
-        return self._lookup.max_tokens
 
     @patching.contained(LOOKUP, _none)
     def propose(
@@ -118,14 +123,14 @@ class SchedulerLookups:
             ):
                 continue
             own_cap = draft_cap(request)
-            cap = self._lookup.max_tokens if own_cap is None else min(own_cap, self.max_tokens)
+            cap = self.max_tokens if own_cap is None else min(own_cap, self.max_tokens)
             if cap <= 0:
                 continue
             tenant = extra_arg(request, TENANT_ARG)
-            proposal = self._lookup.find(request_id, tenant, request.all_token_ids, cap)
+            proposal = self._proposer.find(request_id, tenant, request.all_token_ids, cap)
             if proposal is None:
                 continue
-            length = self._lookup.worth_verifying(proposal, price)
+            length = self._pricing.worth_verifying(proposal, price)
             if length == 0 or not self._wins(request, proposal, length, batch):
                 continue
             tokens = validate(request, proposal.tokens[:length])
@@ -155,7 +160,7 @@ class SchedulerLookups:
         proposal = self._step.get(request_id)
         if proposal is None:
             return False
-        self._lookup.observe(proposal, verified, accepted)
+        self._pricing.observe(proposal, verified, accepted)
         self._by_origin[proposal.origin].add(verified, accepted)
         return True
 
@@ -166,10 +171,10 @@ class SchedulerLookups:
 
     @patching.contained(LOOKUP, _nothing)
     def finished(self, request: Any) -> None:
-        """A request left the engine: its reply joins its tenant's index (calibration's
-        requests have no tenant)."""
+        """A request left the engine: its tree goes, its reply joins its tenant's tree
+        (calibration's requests have no tenant)."""
         tenant = extra_arg(request, TENANT_ARG)
-        self._lookup.finish(request.request_id, tenant, request.output_token_ids)
+        self._proposer.finish(request.request_id, tenant, request.output_token_ids)
 
     def _wins(self, request: Any, proposal: Proposal, length: int, batch: int) -> bool:
         """Whether verifying the lookup's first `length` tokens is expected to make this
@@ -178,7 +183,7 @@ class SchedulerLookups:
         runs no draft pass, and the draft's passes are what a lookup saves."""
         drafts = len(request.spec_token_ids)
         draft_tokens = tokens_by_k(self._acceptance.position_rates(request.request_id), drafts)[-1]
-        lookup_tokens = self._lookup.expected_tokens(proposal, length)
+        lookup_tokens = self._pricing.expected_tokens(proposal, length)
         cost = self._cost
         if not cost.ready:
             return lookup_tokens > draft_tokens
@@ -195,7 +200,7 @@ class SchedulerLookups:
 
     def add_to(self, report: SchedulerReport) -> None:
         """The lookups' counts into the scheduler's report: all origins together as the
-        `lookup` source, each origin, their cost per step and the reply index's size."""
+        `lookup` source, each origin, their cost per step and the reply trees' size."""
         origins = self._by_origin.values()
         report["verified_by_source"]["lookup"] = {
             "verified": sum(c.verified for c in origins),
@@ -204,5 +209,5 @@ class SchedulerLookups:
         }
         report["lookup_by_origin"] = {o: c.as_dict() for o, c in self._by_origin.items()}
         report["lookup_seconds_per_step"] = self._seconds / max(self._rounds, 1)
-        report["lookup_index_tokens"] = self._lookup.replies.tokens
-        report["lookup_index_replies"] = self._lookup.replies.replies
+        report["lookup_index_tokens"] = self._proposer.replies.tokens
+        report["lookup_index_replies"] = self._proposer.replies.replies

@@ -18,8 +18,8 @@ from prometheus_client import REGISTRY
 from server.autopilot.acceptance import AcceptanceTracker
 from server.autopilot.end_to_end import EndToEnd
 from server.autopilot.idle import IdleReason
-from server.autopilot.lookup import Proposal
 from server.autopilot.reports import MAX_REPORT_BYTES, Verified
+from server.autopilot.suffix_tree import Proposal
 from server.engine.autopilot_feed import AutopilotFeed
 from server.engine.vllm_engine import EngineConfig, VllmEngine
 from server.vllm_plugins import autopilot_scheduler, patching, registry, request_args, vllm_source
@@ -508,8 +508,8 @@ def test_lookups_go_to_decoding_requests_that_may_have_them() -> None:
 
 def test_a_good_draft_keeps_a_request_a_weak_lookup_would_take() -> None:
     draft = [90, 91, 92, 93]
-    # The context ends in a three-token coincidence: bucket prior 0.3 per position.
-    weak = _request("weak", [5, 6, 7, 8, 9, 1, 2, 3, 5, 6, 7], spec_token_ids=list(draft))
+    # The context ends in 5, which went on three ways before: 3 (the latest) a third of the time.
+    weak = _request("weak", [5, 1, 5, 2, 5, 3, 5], spec_token_ids=list(draft))
     tracker = AcceptanceTracker(4)
     for _ in range(20):
         tracker.observe("weak", 4, 4)  # the draft's are all accepted
@@ -518,8 +518,19 @@ def test_a_good_draft_keeps_a_request_a_weak_lookup_would_take() -> None:
     assert weak.spec_token_ids == draft
     # Without drafts (the draft idled) the same lookup is worth verifying.
     weak.spec_token_ids = []
-    assert [p.match_length for p in _propose(lookups, [weak]).values()] == [3]
-    assert weak.spec_token_ids == [8, 9, 1, 2, 3, 5, 6, 7]
+    assert [p.match_length for p in _propose(lookups, [weak]).values()] == [1]
+    assert weak.spec_token_ids == [3]
+
+
+def test_a_lookup_resumes_one_token_after_an_edit() -> None:
+    line = list(range(100, 140))
+    # The reply copies the prompt's line, changes its 20th token, then copies on.
+    edited = [1, 2, *line, 3, *line[:19], 999, line[20]]
+    lookups = _lookups()
+    request = _request("edit", edited)
+    chosen = _propose(lookups, [request])
+    assert [p.match_length for p in chosen.values()] == [1]
+    assert request.spec_token_ids == [line[21]]
 
 
 def test_a_step_whose_requests_all_verify_lookups_idles_the_draft() -> None:
@@ -556,8 +567,9 @@ def test_lookup_steps_teach_the_lookup_and_not_the_draft_s_controller() -> None:
     assert scheduler._draft_verified == Verified()
     assert scheduler._controller.end_to_end_calls == []
     assert scheduler._acceptance.position_rates() == AcceptanceTracker(4).position_rates()
-    # The sixth looked-up token was rejected.
-    assert lookups._lookup.rates(proposal)[5] < 0.9
+    # The sixth looked-up token was rejected: the tree's certainty is priced down.
+    assert proposal.probs == [1.0] * 8
+    assert max(lookups._pricing.rates(proposal)) < 1.0
 
 
 def test_auto_mode_feeds_the_lookup_veto_only_steps_without_draft_work() -> None:
@@ -569,7 +581,8 @@ def test_auto_mode_feeds_the_lookup_veto_only_steps_without_draft_work() -> None
     idle = autopilot_scheduler.Decision(k=0, reason=IdleReason.LOOKUP)
 
     def step(drafts: int, decision: Any, looked_up: bool, seconds: float) -> None:
-        lookups._step = {"r": Proposal([0] * drafts, 20, "prompt")} if looked_up else {}
+        proposal = Proposal([0] * drafts, [1.0] * drafts, 20, 1, "prompt")
+        lookups._step = {"r": proposal} if looked_up else {}
         output = SimpleNamespace(
             num_scheduled_tokens={"r": 1 + drafts},
             scheduled_spec_decode_tokens={"r": [0] * drafts} if drafts else {},
