@@ -6,9 +6,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from server.api.admission import record_usage
-from server.api.auth import tenant
 from server.api.deps import EngineDep, LimitsDep
-from server.api.instrumentation import arrival, deadline, priority
+from server.api.instrumentation import caller
 from server.api.replies import GENERATION_RESPONSES, event_stream, json_unless_disconnected
 from server.protocol.chat import ChatCompletionRequest, ChatCompletionResponse
 from server.serving import chat
@@ -25,16 +24,7 @@ async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, engine: EngineDep, limits: LimitsDep
 ) -> Response:
     # Rendering and tokenizing must not stall other streams on the event loop.
-    prepared = await asyncio.to_thread(
-        chat.prepare,
-        engine,
-        body,
-        limits,
-        arrival(request),
-        tenant(request),
-        priority(request),
-        deadline(request),
-    )
+    prepared = await asyncio.to_thread(chat.prepare, engine, body, limits, caller(request))
     record_usage(request, prepared.observer)
     if body.stream:
         return event_stream(chat.stream(engine, prepared))

@@ -9,9 +9,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from server.api.admission import record_usage
-from server.api.auth import tenant
 from server.api.deps import EngineDep, LimitsDep
-from server.api.instrumentation import arrival, deadline, priority
+from server.api.instrumentation import caller
 from server.api.replies import TYPED_EVENT_RESPONSES, json_unless_disconnected, sse_response
 from server.protocol.responses import CreateResponseRequest, ResponseObject
 from server.serving import responses
@@ -24,16 +23,7 @@ async def create_response(
     body: CreateResponseRequest, request: Request, engine: EngineDep, limits: LimitsDep
 ) -> Response:
     # Rendering and tokenizing must not stall other streams on the event loop.
-    prepared = await asyncio.to_thread(
-        responses.prepare,
-        engine,
-        body,
-        limits,
-        arrival(request),
-        tenant(request),
-        priority(request),
-        deadline(request),
-    )
+    prepared = await asyncio.to_thread(responses.prepare, engine, body, limits, caller(request))
     record_usage(request, prepared.observer)
     if body.stream:
         return sse_response(responses.stream(engine, prepared))

@@ -13,6 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.context import context_of, request_context
 from server.metrics import IN_FLIGHT, KNOWN_ENDPOINTS, REQUESTS
+from server.serving.common import Caller
 
 
 def endpoint_label(path: str) -> str:
@@ -56,9 +57,11 @@ def arrival(request: Request) -> float:
     return request_context(request).arrival
 
 
-def priority(request: Request) -> int:
-    """The engine's scheduling priority the admission middleware gave the request."""
-    return request_context(request).priority
+def caller(request: Request) -> Caller:
+    """What a generation is prepared with: when the request arrived, its tenant, the priority
+    the admission gave it and its deadline."""
+    context = request_context(request)
+    return Caller(context.arrival, context.tenant, context.priority, deadline(request))
 
 
 def deadline(request: Request) -> float | None:

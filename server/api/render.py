@@ -25,6 +25,7 @@ from server.protocol.completions import CompletionRequest
 from server.protocol.limits import RequestLimits
 from server.protocol.responses import CreateResponseRequest
 from server.serving import chat, completions, responses
+from server.serving.common import Caller
 
 router = APIRouter()
 # The generation routes' errors but those of admission (429) and deadlines (504): JSON only.
@@ -38,7 +39,7 @@ class RenderedPrompt(BaseModel):
 
 
 async def _prepare(
-    prepare: Callable[[Engine, Body, RequestLimits, float, str, int, float | None], Prepared],
+    prepare: Callable[[Engine, Body, RequestLimits, Caller], Prepared],
     engine: Engine,
     body: Body,
     limits: RequestLimits,
@@ -46,9 +47,9 @@ async def _prepare(
 ) -> Prepared:
     """The generation route's own preparation (validation, limits, rendering, tokenizing),
     off the event loop as there."""
-    return await asyncio.to_thread(
-        prepare, engine, body, limits, arrival(request), tenant(request), 0, None
-    )
+    # Nothing is generated: no engine priority, no deadline.
+    render = Caller(arrival(request), tenant(request), priority=0, deadline=None)
+    return await asyncio.to_thread(prepare, engine, body, limits, render)
 
 
 @router.post("/v1/chat/completions/render", response_model=RenderedPrompt, responses=RENDER_ERRORS)

@@ -29,6 +29,7 @@ from server.protocol.chat import (
 )
 from server.protocol.limits import RequestLimits
 from server.serving.common import (
+    Caller,
     check_model,
     generate_all,
     json_format,
@@ -87,10 +88,7 @@ def prepare(
     engine: Engine,
     body: ChatCompletionRequest,
     limits: RequestLimits,
-    arrival: float,
-    tenant: str,
-    priority: int,
-    deadline: float | None,
+    caller: Caller,
 ) -> PreparedChat:
     within_limits(limits.check_chat, body)
     model = check_model(engine, body.model)
@@ -104,11 +102,16 @@ def prepare(
     sampling = sampling_options(body, max_tokens, body.logprob_count(), grammar, bias)
     chat_id = new_id("chatcmpl")
     request = GenerationRequest(
-        chat_id, token_ids, sampling, stream=body.stream, tenant=tenant, priority=priority
+        chat_id,
+        token_ids,
+        sampling,
+        stream=body.stream,
+        tenant=caller.tenant,
+        priority=caller.priority,
     )
     validate_all(engine, [request])
-    observer = RequestObserver(model, ENDPOINT, arrival, tenant)
-    return PreparedChat(chat_id, now(), model, body, request, observer, deadline, tools)
+    observer = RequestObserver(model, ENDPOINT, caller.arrival, caller.tenant)
+    return PreparedChat(chat_id, now(), model, body, request, observer, caller.deadline, tools)
 
 
 def _logprobs(entries: list[TokenLogprob] | None) -> ChoiceLogprobs | None:

@@ -13,6 +13,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import aclosing
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TypeVar
 
@@ -191,6 +192,16 @@ async def generate_all(
             observer.prompt_tokens,
             observer.output_tokens,
         )
+
+
+@dataclass(frozen=True)
+class Caller:
+    """What the middlewares learnt of a generation request, which its preparation needs."""
+
+    arrival: float  # time.perf_counter() when it arrived: TTFT and end-to-end count from here
+    tenant: str  # the API key's tenant
+    priority: int  # the engine's scheduling priority, from admission (smaller goes first)
+    deadline: float | None  # time.perf_counter() by which generation must end
 
 
 class _EngineWaits:

@@ -18,6 +18,7 @@ from server.protocol.completions import (
 )
 from server.protocol.limits import RequestLimits
 from server.serving.common import (
+    Caller,
     check_model,
     generate_all,
     json_format,
@@ -58,10 +59,7 @@ def prepare(
     engine: Engine,
     body: CompletionRequest,
     limits: RequestLimits,
-    arrival: float,
-    tenant: str,
-    priority: int,
-    deadline: float | None,
+    caller: Caller,
 ) -> PreparedCompletion:
     within_limits(limits.check_completion, body)
     model = check_model(engine, body.model)
@@ -81,15 +79,20 @@ def prepare(
         sampling = sampling_options(body, max_tokens, body.logprobs, grammar, bias)
         requests.append(
             GenerationRequest(
-                f"{completion_id}-{position}", token_ids, sampling, body.stream, tenant, priority
+                f"{completion_id}-{position}",
+                token_ids,
+                sampling,
+                body.stream,
+                caller.tenant,
+                caller.priority,
             )
         )
         if body.echo:
             echo_texts.append(prompt if isinstance(prompt, str) else engine.decode(prompt))
     validate_all(engine, requests)
-    observer = RequestObserver(model, ENDPOINT, arrival, tenant)
+    observer = RequestObserver(model, ENDPOINT, caller.arrival, caller.tenant)
     return PreparedCompletion(
-        completion_id, now(), model, body, requests, echo_texts, observer, deadline
+        completion_id, now(), model, body, requests, echo_texts, observer, caller.deadline
     )
 
 

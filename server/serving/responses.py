@@ -41,6 +41,7 @@ from server.protocol.responses import (
     ResponseUsage,
 )
 from server.serving.common import (
+    Caller,
     check_model,
     generate_all,
     json_format,
@@ -106,10 +107,7 @@ def prepare(
     engine: Engine,
     body: CreateResponseRequest,
     limits: RequestLimits,
-    arrival: float,
-    tenant: str,
-    priority: int,
-    deadline: float | None,
+    caller: Caller,
 ) -> PreparedResponse:
     within_limits(limits.check_response, body)
     model = check_model(engine, body.model)
@@ -131,12 +129,19 @@ def prepare(
     )
     response_id = new_id("resp", "_")
     request = GenerationRequest(
-        response_id, token_ids, sampling, stream=body.stream, tenant=tenant, priority=priority
+        response_id,
+        token_ids,
+        sampling,
+        stream=body.stream,
+        tenant=caller.tenant,
+        priority=caller.priority,
     )
     with _named_for_responses():
         validate_all(engine, [request])
-    observer = RequestObserver(model, ENDPOINT, arrival, tenant)
-    return PreparedResponse(response_id, now(), model, body, request, observer, deadline, tools)
+    observer = RequestObserver(model, ENDPOINT, caller.arrival, caller.tenant)
+    return PreparedResponse(
+        response_id, now(), model, body, request, observer, caller.deadline, tools
+    )
 
 
 def _status(finish_reason: str | None) -> Finished:
