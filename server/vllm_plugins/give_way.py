@@ -26,9 +26,11 @@ def give_way(scheduler: Any) -> list[str]:
 
     if scheduler.policy != SchedulingPolicy.PRIORITY:
         return []
+    free = scheduler.max_num_running_reqs - len(scheduler.running)
+    if len(scheduler.waiting) <= free:
+        return []  # every waiting request has a free slot: the usual step, no queue copied
     preempted: list[str] = []
     timestamp = time.monotonic()
-    free = scheduler.max_num_running_reqs - len(scheduler.running)
     # The waiting queue iterates in priority order over a copy: preempting adds to it.
     for waiting in list(scheduler.waiting):
         if waiting.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
