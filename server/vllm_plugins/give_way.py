@@ -38,6 +38,8 @@ def give_way(scheduler: Any) -> list[str]:
         if free > 0:
             free -= 1  # vLLM's own schedule gives it a free slot
             continue
+        if not scheduler.running:
+            break  # the waiting fill every slot a finished batch left: nothing runs to preempt
         victim = max(scheduler.running, key=lambda r: (r.priority, r.arrival_time))
         if victim.priority <= waiting.priority:
             break

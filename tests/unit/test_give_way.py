@@ -76,6 +76,13 @@ def test_a_preempted_request_does_not_preempt_back_nor_does_a_blocked_one() -> N
     assert give_way(scheduler) == ["a1"]
 
 
+def test_more_waiting_than_slots_with_nothing_running_is_left_to_vllm() -> None:
+    scheduler = _Scheduler([], max_num_running_reqs=2)
+    _waiting(scheduler, *[_Request(f"b{i}", i, 10.0 + i) for i in range(5)])
+    assert give_way(scheduler) == []  # vLLM's schedule fills both slots, smallest first
+    assert len(scheduler.waiting) == 5
+
+
 def test_first_come_first_served_is_left_to_vllm() -> None:
     scheduler = _Scheduler(_flood(2), max_num_running_reqs=2, policy=SchedulingPolicy.FCFS)
     scheduler.waiting = create_request_queue(SchedulingPolicy.FCFS)
