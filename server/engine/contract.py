@@ -106,6 +106,9 @@ class SpeculationStats:
     steps_by_k: dict[int, int] = field(default_factory=dict)
     # Why the draft idled during the sequence's K=0 steps (the autopilot's reason).
     idle_reason: str | None = None
+    # Of draft_tokens and accepted_tokens, those looked up rather than drafted (the hybrid).
+    lookup_tokens: int = 0
+    lookup_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)

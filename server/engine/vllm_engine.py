@@ -42,7 +42,13 @@ from server.engine.memory import (
 )
 from server.engine.runtime import configure_cpu_runtime, has_gpu, vllm_distribution
 from server.engine.tool_calls import VllmToolCallParser, parser_class
-from server.engine.vllm_outputs import choice, sampling_params, speculation_stats, token_times
+from server.engine.vllm_outputs import (
+    FinishedLookups,
+    choice,
+    sampling_params,
+    speculation_stats,
+    token_times,
+)
 from server.errors import EngineUnavailableError, InternalError, InvalidRequestError
 from server.vllm_plugins import autopilot_patch, patching, registry, vllm_source
 
@@ -567,7 +573,9 @@ class VllmEngine:
 
         if self._llm is None:
             raise EngineUnavailableError("the engine is not running")
-        params = sampling_params(request.sampling, request.stream, request.tenant)
+        params = sampling_params(
+            request.sampling, request.stream, request.tenant, request.request_id
+        )
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
         salt = self._cache_salt(request)
         if salt is not None:
@@ -576,6 +584,7 @@ class VllmEngine:
         finished = False
         # Per choice: tokens so far, for the K=0 steps of its speculation stats.
         produced: dict[int, int] = {}
+        lookups = FinishedLookups()
         idle_before = self._feed.idle_reasons() if self._feed is not None else None
         try:
             while not finished:
@@ -591,6 +600,7 @@ class VllmEngine:
                 except EngineGenerateError as exc:
                     raise InternalError(f"generation failed for {request.request_id}") from exc
                 finished = output.finished
+                lookups.add(output.kv_transfer_params)
                 choices = []
                 for completion in output.outputs:
                     produced[completion.index] = produced.get(completion.index, 0) + len(
@@ -601,6 +611,7 @@ class VllmEngine:
                         speculation = self._speculation_stats(
                             completion.spec_decode_metrics,
                             produced[completion.index],
+                            lookups.take(),
                             idle_before,
                         )
                     choices.append(
@@ -627,14 +638,18 @@ class VllmEngine:
         return request.tenant
 
     def _speculation_stats(
-        self, metrics: Any, tokens: int, idle_before: Counter[str] | None
+        self,
+        metrics: Any,
+        tokens: int,
+        lookups: tuple[int, int],
+        idle_before: Counter[str] | None,
     ) -> SpeculationStats:
-        """vLLM's per-sequence counts, the K of each of its steps, and why the draft idled
-        while it ran: the most frequent of the autopilot's step reasons over its lifetime.
-        Those counters are the server's, so the reasons that a neighbour's own parameters
-        caused are left out (`NEIGHBOURS_OWN`): the serving layer says those from the
-        request's own."""
-        stats = speculation_stats(metrics, tokens)
+        """vLLM's per-sequence counts, the K of each of its steps, its lookups' counts, and
+        why the draft idled while it ran: the most frequent of the autopilot's step reasons
+        over its lifetime. Those counters are the server's, so the reasons that a neighbour's
+        own parameters caused are left out (`NEIGHBOURS_OWN`): the serving layer says those
+        from the request's own."""
+        stats = speculation_stats(metrics, tokens, lookups)
         if self._feed is None or idle_before is None or stats.steps_by_k.get(0, 0) == 0:
             return stats
         idle = self._feed.idle_reasons() - idle_before

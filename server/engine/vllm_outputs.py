@@ -5,6 +5,7 @@ speculation counts (API process). Imports vllm only inside functions, as the ada
 
 import time
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 from server.engine.contract import (
@@ -15,11 +16,19 @@ from server.engine.contract import (
     TokenTimes,
 )
 from server.errors import EngineUnavailableError, InternalError, InvalidRequestError
-from server.vllm_plugins.request_args import MAX_DRAFT_TOKENS_ARG, TENANT_ARG
+from server.vllm_plugins.request_args import (
+    LOOKUP_COUNTS_PARAM,
+    MAX_DRAFT_TOKENS_ARG,
+    REQUEST_ARG,
+    TENANT_ARG,
+)
 
 
 def sampling_params(
-    options: SamplingOptions, stream: bool = True, tenant: str | None = None
+    options: SamplingOptions,
+    stream: bool = True,
+    tenant: str | None = None,
+    request_id: str | None = None,
 ) -> Any:
     """vLLM's SamplingParams for a request's options; what vLLM refuses is a 400."""
     from vllm.exceptions import VLLMClientError
@@ -47,7 +56,7 @@ def sampling_params(
             # A reply not streamed is wanted whole: no output per step, none of the work
             # each costs this process (vLLM's own server does the same).
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
-            extra_args=scheduler_args(options, tenant),
+            extra_args=scheduler_args(options, tenant, request_id),
         )
     except (ValueError, VLLMClientError) as exc:
         raise InvalidRequestError(str(exc)) from exc
@@ -91,14 +100,41 @@ def _token_text(tokenizer: Any, token_id: int, decoded: str | None) -> str:
     return str(tokenizer.decode([token_id]))
 
 
-def scheduler_args(options: SamplingOptions, tenant: str | None) -> dict[str, Any] | None:
+def scheduler_args(
+    options: SamplingOptions, tenant: str | None, request_id: str | None
+) -> dict[str, Any] | None:
     """What the autopilot scheduler reads from a request (vLLM carries it as extra_args)."""
     args: dict[str, Any] = {}
     if options.max_draft_tokens is not None:
         args[MAX_DRAFT_TOKENS_ARG] = options.max_draft_tokens
     if tenant is not None:
         args[TENANT_ARG] = tenant
+    if request_id is not None:
+        args[REQUEST_ARG] = request_id
     return args or None
+
+
+class FinishedLookups:
+    """The lookup counts of one request's finished sequences, as the scheduler hands them over:
+    each finished sequence's last output carries those of its finished siblings too, keyed by
+    vLLM's sequence id (request_args.LOOKUP_COUNTS_PARAM), so that where vLLM merges outputs
+    and keeps the last one's transfer params (n sequences, a reader behind), none is lost."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, Mapping[str, int]] = {}
+        self._handed = (0, 0)
+
+    def add(self, transfer_params: Mapping[str, Any] | None) -> None:
+        self._seen.update((transfer_params or {}).get(LOOKUP_COUNTS_PARAM, {}))
+
+    def take(self) -> tuple[int, int]:
+        """Looked-up tokens verified and accepted not yet handed to a finished sequence: a
+        sequence gets its own, and where outputs were merged the first gets all they held."""
+        verified = sum(c["verified"] for c in self._seen.values())
+        accepted = sum(c["accepted"] for c in self._seen.values())
+        new = (verified - self._handed[0], accepted - self._handed[1])
+        self._handed = (verified, accepted)
+        return new
 
 
 def token_times(stats: Any) -> TokenTimes | None:
@@ -121,8 +157,11 @@ def finish_reason(reason: str | None) -> str | None:
     return reason
 
 
-def speculation_stats(metrics: Any, tokens: int) -> SpeculationStats:
-    """Fold vLLM's per-sequence histogram of accepted draft counts per step.
+def speculation_stats(
+    metrics: Any, tokens: int, lookups: tuple[int, int] = (0, 0)
+) -> SpeculationStats:
+    """Fold vLLM's per-sequence histogram of accepted draft counts per step; `lookups`: of
+    its proposed tokens, those looked up, verified and accepted (FinishedLookups.take).
 
     `tokens` is the sequence's output length: its first token comes from the
     prefill, each verify step gives its accepted drafts plus one, and every
@@ -146,4 +185,6 @@ def speculation_stats(metrics: Any, tokens: int) -> SpeculationStats:
         accepted_tokens=accepted,
         accepted_per_position=per_position,
         steps_by_k=dict(steps_by_k),
+        lookup_tokens=lookups[0],
+        lookup_accepted_tokens=lookups[1],
     )

@@ -195,6 +195,13 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
+class SourceCounts(BaseModel):
+    """Proposed tokens of one source that the target verified, and those it accepted."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
 class SpeculationSummary(BaseModel):
     """specserve's extension object: what speculation did for one request.
 
@@ -219,6 +226,9 @@ class SpeculationSummary(BaseModel):
     mean_acceptance_length: float | None = None
     # Engine steps by the number of drafts they verified ("0": the draft idled).
     steps_by_k: dict[str, int] = Field(default_factory=dict)
+    # The hybrid: draft_tokens and accepted_tokens split into "draft" (the draft model's
+    # proposals) and "lookup" (looked up in the request's context or the tenant's replies).
+    by_source: dict[str, SourceCounts] | None = None
 
 
 class ErrorDetail(BaseModel):

@@ -35,6 +35,7 @@ from server.protocol.common import (
     PromptTokensDetails,
     ResponseFormat,
     SamplingFields,
+    SourceCounts,
     SpeculationSummary,
     Usage,
     draft_cap,
@@ -357,6 +358,15 @@ def speculation_summary(
         mean_acceptance_length=1 + accepted / drafts if drafts else None,
         steps_by_k={str(k): n for k, n in sorted(steps_by_k.items())},
     )
+    if config.method == "hybrid":
+        looked_up = sum(s.lookup_tokens for s in stats)
+        looked_up_accepted = sum(s.lookup_accepted_tokens for s in stats)
+        summary.by_source = {
+            "draft": SourceCounts(
+                draft_tokens=draft_tokens - looked_up, accepted_tokens=accepted - looked_up_accepted
+            ),
+            "lookup": SourceCounts(draft_tokens=looked_up, accepted_tokens=looked_up_accepted),
+        }
     if not drafts and sampling.max_draft_tokens == 0:
         summary.reason = IdleReason.REQUESTED_OFF  # whatever its neighbours' steps did
     elif not drafts and sampling.logit_bias:

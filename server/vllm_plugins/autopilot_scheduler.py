@@ -53,7 +53,12 @@ from server.vllm_plugins import patching
 from server.vllm_plugins.autopilot_patch import AUTOPILOT
 from server.vllm_plugins.autopilot_report import Reporter
 from server.vllm_plugins.give_way import give_way
-from server.vllm_plugins.request_args import CALIBRATION_PREFIX, draft_cap, has_logit_bias
+from server.vllm_plugins.request_args import (
+    CALIBRATION_PREFIX,
+    LOOKUP_COUNTS_PARAM,
+    draft_cap,
+    has_logit_bias,
+)
 from server.vllm_plugins.scheduler_lookups import SchedulerLookups
 
 logger = logging.getLogger(__name__)
@@ -171,9 +176,12 @@ class AutopilotScheduler(Scheduler):
 
     def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         lookups = self._lookups_in_force()
-        if lookups is not None:
-            lookups.finished(request)
-        return super()._free_request(request, *args, **kwargs)
+        counts = lookups.finished(request, self.requests) if lookups is not None else None
+        kv_transfer_params, ec_transfer_params = super()._free_request(request, *args, **kwargs)
+        if counts is not None and kv_transfer_params is None:
+            # Its request's lookups, to the response's counts by source (request_args.py).
+            kv_transfer_params = {LOOKUP_COUNTS_PARAM: counts}
+        return kv_transfer_params, ec_transfer_params
 
     def _lookups_in_force(self) -> SchedulerLookups | None:
         """The lookups while the autopilot runs: its failure stops them with the drafts, one

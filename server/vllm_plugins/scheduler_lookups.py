@@ -26,12 +26,13 @@ from typing import Any
 from server.autopilot.acceptance import AcceptanceTracker, tokens_by_k
 from server.autopilot.cost_model import CostModel
 from server.autopilot.end_to_end import EndToEnd
-from server.autopilot.reports import SchedulerReport, Verified
+from server.autopilot.reports import SchedulerReport, Verified, VerifiedCounts
 from server.autopilot.suffix_tree import Proposal, SuffixProposer
 from server.autopilot.tree_pricing import TreePricing
 from server.vllm_plugins import patching
 from server.vllm_plugins.request_args import (
     CALIBRATION_PREFIX,
+    REQUEST_ARG,
     TENANT_ARG,
     draft_cap,
     extra_arg,
@@ -47,7 +48,7 @@ LOOKUP = patching.Patch(
         Hook(
             "vllm.v1.core.sched.scheduler",
             "Scheduler",
-            members=("running", "structured_output_manager", "_free_request"),
+            members=("running", "requests", "structured_output_manager", "_free_request"),
         ),
         Hook(
             "vllm.v1.structured_output",
@@ -57,7 +58,13 @@ LOOKUP = patching.Patch(
         Hook(
             "vllm.v1.request",
             "Request",
-            members=("all_token_ids", "output_token_ids", "is_prefill_chunk", "num_tokens"),
+            members=(
+                "all_token_ids",
+                "output_token_ids",
+                "is_prefill_chunk",
+                "num_tokens",
+                "is_finished",
+            ),
         ),
     ),
     needs=("autopilot",),
@@ -96,6 +103,9 @@ class SchedulerLookups:
         self._proposed: dict[str, Proposal] = {}  # this step's lookups, before vLLM schedules
         self._step: dict[str, Proposal] = {}  # request id -> the lookup it verifies this step
         self._by_origin = {"prompt": Verified(), "replies": Verified()}
+        self._by_request: dict[str, Verified] = {}  # each running sequence's lookups
+        # Front-end request id -> its finished sequences' counts, while a sibling runs.
+        self._finished: dict[str, dict[str, VerifiedCounts]] = {}
         self._seconds = 0.0  # spent finding lookups
         self._rounds = 0  # steps that looked up
 
@@ -162,6 +172,7 @@ class SchedulerLookups:
             return False
         self._pricing.observe(proposal, verified, accepted)
         self._by_origin[proposal.origin].add(verified, accepted)
+        self._by_request.setdefault(request_id, Verified()).add(verified, accepted)
         return True
 
     def end_to_end(self, batch: int, seconds: float, tokens: int, looked_up: bool) -> None:
@@ -170,11 +181,28 @@ class SchedulerLookups:
             self._veto.observe(batch, tokens, seconds, trying=looked_up)
 
     @patching.contained(LOOKUP, _nothing)
-    def finished(self, request: Any) -> None:
-        """A request left the engine: its tree goes, its reply joins its tenant's tree
-        (calibration's requests have no tenant)."""
+    def finished(
+        self, request: Any, requests: Mapping[str, Any]
+    ) -> dict[str, VerifiedCounts] | None:
+        """A sequence left the engine (`requests`: vLLM's, it still among them): its tree
+        goes, its reply joins its tenant's tree (calibration's requests have no tenant). What
+        its last output carries to the front end: the lookup counts of its request's finished
+        sequences, its own included, by sequence id (None: none looked up)."""
+        request_id = request.request_id
         tenant = extra_arg(request, TENANT_ARG)
-        self._proposer.finish(request.request_id, tenant, request.output_token_ids)
+        self._proposer.finish(request_id, tenant, request.output_token_ids)
+        own = self._by_request.pop(request_id, None)
+        key = extra_arg(request, REQUEST_ARG)
+        if key is None:
+            return None
+        finished = self._finished.setdefault(key, {})
+        if own is not None:
+            finished[request_id] = own.as_dict()
+        if not any(
+            extra_arg(r, REQUEST_ARG) == key and not r.is_finished() for r in requests.values()
+        ):
+            del self._finished[key]  # its last sequence
+        return finished or None
 
     def _wins(self, request: Any, proposal: Proposal, length: int, batch: int) -> bool:
         """Whether verifying the lookup's first `length` tokens is expected to make this

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from server.engine.contract import GenerationRequest, SamplingOptions
+from server.engine.contract import GenerationRequest, SamplingOptions, SpeculationStats
 from server.engine.vllm_engine import VllmEngine
 from tests.integration.conftest import RunningServer, TinyModels, serve, tiny_engine_config
 from tests.integration.test_lossless import PROMPTS, TVD_BOUND, _at, _binned_total_variation
@@ -145,6 +145,49 @@ async def test_one_tenant_s_replies_are_never_proposed_to_another(
     assert reply == other == again
     assert _grown(middle, before, "replies", "verified") == 0  # b has no replies of its own
     assert _grown(after, middle, "replies", "accepted") > 0  # a's own reply is looked up
+
+
+async def _speculation(
+    engine: VllmEngine, request_id: str, prompt: str, options: SamplingOptions, stream: bool
+) -> list[SpeculationStats]:
+    """Each sequence's speculation counts, from its last output."""
+    request = GenerationRequest(
+        request_id, engine.tokenize(prompt), options, stream=stream, tenant="counts"
+    )
+    return [
+        delta.speculation
+        async for output in engine.generate(request)
+        for delta in output.choices
+        if delta.speculation is not None
+    ]
+
+
+@pytest.mark.parametrize(
+    ("options", "stream"),
+    [(GREEDY, True), (replace(GREEDY, n=2, temperature=1.0, seed=7), False)],
+    ids=["streamed", "two-whole-sequences"],
+)
+async def test_each_sequence_s_counts_by_source_add_up_to_the_scheduler_s(
+    hybrid_server: RunningServer, options: SamplingOptions, stream: bool
+) -> None:
+    """The scheduler counts a sequence's lookups and hands them over with its last output
+    (vLLM's kv_transfer_params); what the draft verified is the rest of vLLM's own counts."""
+    engine, prompt = hybrid_server.engine, "def add(a, b):\n    return a + b\n\n\ndef"
+    await _tokens(engine, f"counts-prime-{stream}", prompt, GREEDY, "counts")
+    before = await _counts(hybrid_server)
+    stats = await _speculation(engine, f"counts-{stream}", prompt, options, stream)
+    after = await _counts(hybrid_server)
+    assert len(stats) == options.n
+    looked_up = sum(s.lookup_tokens for s in stats)
+    assert looked_up == _grown(after, before, "lookup", "verified") > 0
+    assert sum(s.lookup_accepted_tokens for s in stats) == _grown(
+        after, before, "lookup", "accepted"
+    )
+    drafted = sum(s.draft_tokens for s in stats) - looked_up
+    assert drafted == _grown(after, before, "draft", "verified")
+    assert sum(s.accepted_tokens - s.lookup_accepted_tokens for s in stats) == _grown(
+        after, before, "draft", "accepted"
+    )
 
 
 @pytest.fixture(scope="module")

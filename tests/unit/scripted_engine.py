@@ -79,6 +79,7 @@ class ScriptedEngine:
         self.rendered_tools: list[dict[str, Any]] | None = None
         self.prompts: list[tuple[str | None, list[int]]] = []  # (tenant, prompt) seen
         self.speculation = SCRIPTED_SPECULATION  # what each sequence reports on its last output
+        self.speculative_method = "draft_model"
         self.autopilot: dict[str, Any] | None = None  # autopilot_state()
 
     def info(self) -> EngineInfo:
@@ -87,7 +88,7 @@ class ScriptedEngine:
             max_model_len=self.max_model_len,
             vocab_size=1000,
             created=1_700_000_000,
-            speculation=SpeculationInfo("draft_model", 3, 1),
+            speculation=SpeculationInfo(self.speculative_method, 3, 1),
             dtype="float32",
             dtype_reason="set by --dtype",
             mode=EngineMode("vllm", "v1", False, False, (), "scripted"),

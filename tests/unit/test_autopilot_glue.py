@@ -95,9 +95,9 @@ def test_a_request_s_idle_reason_never_names_a_neighbour_s_parameters() -> None:
     )
     server_wide = Counter(logit_bias=5, requested_off=4, not_paying=1)
     engine._feed = SimpleNamespace(idle_reasons=lambda: server_wide)
-    assert engine._speculation_stats(counts, 4, Counter()).idle_reason == "not_paying"
+    assert engine._speculation_stats(counts, 4, (0, 0), Counter()).idle_reason == "not_paying"
     del server_wide["not_paying"]
-    assert engine._speculation_stats(counts, 4, Counter()).idle_reason is None
+    assert engine._speculation_stats(counts, 4, (0, 0), Counter()).idle_reason is None
 
 
 def test_a_failed_autopilot_stops_the_lookups_too(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -110,15 +110,17 @@ def test_a_failed_autopilot_stops_the_lookups_too(monkeypatch: pytest.MonkeyPatc
         num_spec_tokens_to_schedule=3,
     )
     monkeypatch.setattr(autopilot_scheduler.Scheduler, "schedule", lambda self: output)
-    monkeypatch.setattr(autopilot_scheduler.Scheduler, "_free_request", lambda self, request: None)
+    freed = lambda self, request: (None, None)  # noqa: E731 (vLLM's transfer params: none)
+    monkeypatch.setattr(autopilot_scheduler.Scheduler, "_free_request", freed)
     scheduler = object.__new__(autopilot_scheduler.AutopilotScheduler)
     scheduler.running = []
+    scheduler.requests = {}
     scheduler.policy = None  # not priority: nothing to give way
     scheduler.structured_output_manager = SimpleNamespace(validate_tokens=None)
     scheduler._lookups = SimpleNamespace(
         propose=lambda running, validate: calls.append("propose"),
         scheduled=lambda tokens: calls.append("scheduled"),
-        finished=lambda request: calls.append("finished"),
+        finished=lambda request, requests: calls.append("finished"),
     )
     scheduler._free_request(object())
     # The step's decision fails (the scheduler lacks its state): the autopilot is contained.
@@ -564,6 +566,17 @@ def test_lookup_steps_teach_the_lookup_and_not_the_draft_s_controller() -> None:
     lookups.add_to(report)
     assert report["verified_by_source"] == {"lookup": {"verified": 8, "accepted": 5, "steps": 1}}
     assert report["lookup_by_origin"]["prompt"]["accepted"] == 5
+    # Its counts go with its last output (autopilot_scheduler._free_request), keyed by
+    # sequence; a sibling running keeps them for its own last output.
+    same = {request_args.REQUEST_ARG: "req"}
+    finished = _request("r", COPY, extra_args=same, output_token_ids=[7] * 6)
+    sibling = _request("s", COPY, extra_args=same, output_token_ids=[7])
+    finished.is_finished, sibling.is_finished = (lambda: True), (lambda: False)
+    own = {"r": {"verified": 8, "accepted": 5, "steps": 1}}
+    assert lookups.finished(finished, {"r": finished, "s": sibling}) == own
+    sibling.is_finished = lambda: True
+    assert lookups.finished(sibling, {"s": sibling}) == own
+    assert lookups._finished == {}  # the request's last sequence: nothing kept
     assert scheduler._draft_verified == Verified()
     assert scheduler._controller.end_to_end_calls == []
     assert scheduler._acceptance.position_rates() == AcceptanceTracker(4).position_rates()

@@ -77,12 +77,27 @@ async def test_body_and_headers_carry_the_request_speculation(client: httpx.Asyn
         "drafts": stats.drafts, "draft_tokens": stats.draft_tokens,
         "accepted_tokens": stats.accepted_tokens,
         "accepted_per_position": stats.accepted_per_position,
-        "acceptance_rate": 4 / 6, "mean_acceptance_length": 1 + 4 / 2,
+        "acceptance_rate": 4 / 6, "mean_acceptance_length": 1 + 4 / 2, "by_source": None,
     }  # fmt: skip
     assert response.headers["x-specserve-speculation-applied"] == "true"
     assert response.headers["x-specserve-draft-tokens"] == "6"
     assert response.headers["x-specserve-accepted-tokens"] == "4"
     assert response.headers["x-specserve-acceptance-rate"] == "0.6667"
+
+
+async def test_the_hybrid_splits_each_response_s_counts_by_source(
+    engine: ScriptedEngine, client: httpx.AsyncClient
+) -> None:
+    engine.speculative_method = "hybrid"
+    engine.speculation = replace(SCRIPTED_SPECULATION, lookup_tokens=4, lookup_accepted_tokens=3)
+    body = {"model": "scripted", "prompt": "a b", "max_tokens": 4, "n": 2}
+    summary = (await client.post("/v1/completions", json=body)).json()["speculation"]
+    # Two sequences, each 6 proposed tokens (4 looked up) and 4 accepted (3 looked up).
+    assert (summary["draft_tokens"], summary["accepted_tokens"]) == (12, 8)
+    assert summary["by_source"] == {
+        "draft": {"draft_tokens": 4, "accepted_tokens": 2},
+        "lookup": {"draft_tokens": 8, "accepted_tokens": 6},
+    }
 
 
 async def test_stream_usage_chunk_carries_the_speculation(client: httpx.AsyncClient) -> None:

@@ -4,8 +4,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.engine.vllm_outputs import finish_reason, speculation_stats
+from server.engine.vllm_outputs import FinishedLookups, finish_reason, speculation_stats
 from server.errors import EngineUnavailableError, InternalError
+from server.vllm_plugins.request_args import LOOKUP_COUNTS_PARAM
 
 
 @pytest.mark.parametrize(
@@ -39,3 +40,25 @@ def test_speculation_histogram_folds_into_per_position_counts_and_steps_by_k() -
     assert (stats.drafts, stats.draft_tokens, stats.accepted_tokens) == (10, 18, 13)
     assert stats.accepted_per_position == [8, 5]
     assert stats.steps_by_k == {2: 8, 1: 2, 0: 6}
+
+
+def test_lookup_counts_reach_the_request_whole_however_vllm_merges_outputs() -> None:
+    """Each sequence's last output carries its finished siblings' counts too; vLLM keeps only
+    the last transfer params of outputs it merges."""
+    a = {"verified": 4, "accepted": 3, "steps": 2}
+    b = {"verified": 5, "accepted": 1, "steps": 2}
+    separate = FinishedLookups()
+    separate.add({LOOKUP_COUNTS_PARAM: {"0_r": a}})
+    assert separate.take() == (4, 3)
+    separate.add(None)  # an output of another sequence, not its last
+    separate.add({LOOKUP_COUNTS_PARAM: {"0_r": a, "1_r": b}})
+    assert separate.take() == (5, 1)
+    merged = FinishedLookups()
+    merged.add({LOOKUP_COUNTS_PARAM: {"0_r": a, "1_r": b}})
+    assert merged.take() == (9, 4)  # the first sequence of the merged output gets both
+    assert merged.take() == (0, 0)
+    metrics = SimpleNamespace(
+        num_spec_tokens=2, histogram=[0, 1, 2], num_draft_tokens=6, per_step_drafted=[2] * 3
+    )
+    stats = speculation_stats(metrics, tokens=9, lookups=(4, 3))
+    assert (stats.lookup_tokens, stats.lookup_accepted_tokens) == (4, 3)
