@@ -13,6 +13,7 @@ plots into --output-dir, and prints the summary.
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import sys
@@ -69,9 +70,15 @@ def _pair(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--b-body", type=_json_object, default={}, help=BODY_HELP)
     parser.add_argument("--a-metrics-url", help=METRICS_HELP)
     parser.add_argument("--b-metrics-url", help=METRICS_HELP)
+    parser.add_argument("--a-api-key", help=KEY_HELP)
+    parser.add_argument("--b-api-key", help=KEY_HELP)
 
 
 BODY_HELP = "JSON object merged into every request body (e.g. a per-request option)"
+KEY_HELP = (
+    "Bearer key of this side in place of --api-key: two tenants on one server, whose "
+    "earlier replies specserve's lookups keep apart"
+)
 METRICS_HELP = (
     "the server's Prometheus metrics, for speculation figures (default: <url>/metrics; "
     "specserve serves them on its --metrics-port, e.g. http://127.0.0.1:9400/metrics)"
@@ -169,10 +176,18 @@ async def _open(
 ) -> list[Server]:
     if args.command == "run":
         metrics_urls = {args.label: args.metrics_url}
+        keys = {args.label: args.api_key}
     else:
         metrics_urls = {args.a_label: args.a_metrics_url, args.b_label: args.b_metrics_url}
+        keys = {args.a_label: args.a_api_key, args.b_label: args.b_api_key}
     servers = [
-        await open_server(label, url, options, body, metrics_urls[label])
+        await open_server(
+            label,
+            url,
+            dataclasses.replace(options, api_key=keys[label] or options.api_key),
+            body,
+            metrics_urls[label],
+        )
         for label, url, body in pairs
     ]
     items = workloads.load(args.workload)

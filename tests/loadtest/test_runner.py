@@ -265,3 +265,22 @@ async def test_metrics_are_read_where_the_server_serves_them() -> None:
     assert set(scraped) == {"http://t:9400/metrics"}
     assert server.speculative_tokens == 2
     assert server.speculation is not None and server.speculation.drafts == 3
+
+
+async def test_each_side_of_a_comparison_may_send_its_own_key() -> None:
+    """Two tenants on one server: specserve keeps each tenant's earlier replies to itself."""
+    args = cli.parse(
+        ["compare", "--a", "http://t", "--b", "http://t", "--model", "m", "--warmup", "0",
+         "--api-key", "k-both", "--b-api-key", "k-b"]
+    )  # fmt: skip
+    transport = httpx.MockTransport(lambda request: httpx.Response(404))
+    real_client = httpx.AsyncClient
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            "loadtest.runner.httpx.AsyncClient",
+            lambda **kwargs: real_client(transport=transport, **kwargs),
+        )
+        servers = await cli._open(args, Options(model="m", api_key=args.api_key),
+                                  [("A", "http://t", {}), ("B", "http://t", {})])  # fmt: skip
+    keys = [server.client.headers["authorization"] for server in servers]
+    assert keys == ["Bearer k-both", "Bearer k-b"]
