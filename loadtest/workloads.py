@@ -42,6 +42,9 @@ class WorkItem:
     max_tokens: int | None = None
     suffix: str | None = None  # completions only: fill in the middle
     response_format: dict[str, Any] | None = None
+    # Items of one session (an agent's conversation, turn by turn) are sent in their order,
+    # one after the other: each turn's prompt extends the one before, as an agent sends them.
+    session: str | None = None
 
     def payload(
         self, model: str, max_tokens: int, temperature: float, stream: bool
@@ -293,6 +296,7 @@ def _agent_conversation(task: Task) -> list[WorkItem]:
             "chat",
             conversation=tuple(messages[: 2 * turn]),
             tools=_AGENT_FUNCTION_TOOLS,
+            session=f"agent-{task.name}",
         )
         for turn in range(1, len(steps) + 2)
     ]
@@ -546,17 +550,21 @@ def sequence(items: list[WorkItem], seed: int) -> "RequestSequence":
 
 class RequestSequence:
     """The endless, seeded order in which items are sent: a fresh shuffle of
-    all items per pass, so every item is used equally and runs repeat exactly."""
+    all items per pass, so every item is used equally and runs repeat exactly.
+    A session's items move as one, in their order (WorkItem.session)."""
 
     def __init__(self, items: list[WorkItem], seed: int) -> None:
-        self._items = items
+        sessions: dict[str, list[WorkItem]] = {}
+        for item in items:
+            sessions.setdefault(item.session or item.id, []).append(item)
+        self._sessions = list(sessions.values())
         self._rng = random.Random(seed)
         self._order: list[WorkItem] = []
 
     def take(self, count: int) -> list[WorkItem]:
         while len(self._order) < count:
-            batch = list(self._items)
+            batch = list(self._sessions)
             self._rng.shuffle(batch)
-            self._order.extend(batch)
+            self._order.extend(item for session in batch for item in session)
         taken, self._order = self._order[:count], self._order[count:]
         return taken

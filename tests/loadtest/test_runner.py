@@ -173,6 +173,21 @@ def test_sequence_is_seeded_and_uses_every_item_equally() -> None:
     assert sorted(first) == sorted([i.id for i in ITEMS] * 2)
 
 
+def test_a_session_s_turns_are_sent_in_order_one_after_the_other() -> None:
+    """An agent sends turn 2 after turn 1: its prompt extends turn 1's (the prompt cache and
+    the lookups see what a real agent's turns give them)."""
+    items = BUNDLED["agent"]
+    turns = {item.session for item in items}
+    order = [i.id for i in RequestSequence(items, 5).take(2 * len(items))]
+    assert sorted(order) == sorted([i.id for i in items] * 2)
+    per_session = len(items) // len(turns)
+    for start in range(0, len(order), per_session):
+        block = order[start : start + per_session]
+        assert block == sorted(block, key=lambda name: int(name.rsplit("turn", 1)[1]))
+        assert len({name.rsplit("-turn", 1)[0] for name in block}) == 1
+    assert order != [i.id for i in RequestSequence(items, 6).take(2 * len(items))]
+
+
 def test_jsonl_workload(tmp_path: Path) -> None:
     path = tmp_path / "mine.jsonl"
     path.write_text(
