@@ -73,6 +73,7 @@ class StreamTimer:
         self.chunks = 0
         self.done = False
         self.usage_tokens: int | None = None
+        self.ended: float | None = None  # when a chunk carried a finish_reason
 
     def on_event(self, payload: str, now: float) -> None:
         record = self.record
@@ -86,6 +87,8 @@ class StreamTimer:
             error = data["error"]
             message = error.get("message") if isinstance(error, dict) else error
             raise StreamError(str(message))
+        if any(choice.get("finish_reason") for choice in data.get("choices") or ()):
+            self.ended = now
         text = chunk_text(data)
         if text:
             if self.last is None:
@@ -109,9 +112,11 @@ class StreamTimer:
         record = self.record
         if not self.done:
             raise StreamError("stream ended without data: [DONE]")
-        if self.last is None:
+        if self.last is None and self.ended is None:
             raise StreamError("no chunk carried generated text")
-        record.e2el = self.last - self.sent
+        # A reply may be empty (the model's first token was its end): it has no first token
+        # (no TTFT), and ends when its finish_reason came.
+        record.e2el = (self.last if self.last is not None else self.ended) - self.sent
         if self.usage_tokens is not None:
             record.output_tokens = self.usage_tokens
         else:

@@ -136,11 +136,28 @@ async def test_stream_cut_before_done_is_a_failure() -> None:
     assert record.error is not None and "[DONE]" in record.error
 
 
-async def test_stream_without_text_is_a_failure() -> None:
+async def test_stream_without_text_or_an_end_is_a_failure() -> None:
     clock = Clock()
     parts = [(0.1, chat_chunk(role="assistant", content="")), (0.0, b"data: [DONE]\n\n")]
     record = await run(CHAT, httpx.Response(200, stream=TimedStream(clock, parts)), clock)
     assert not record.success
+
+
+async def test_an_empty_reply_that_ends_is_timed_without_a_first_token() -> None:
+    """The model's first token was its end: a reply, not a failure, with no TTFT."""
+    clock = Clock()
+    end = sse({"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "stop"}]})
+    usage = sse({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1}})
+    parts = [
+        (0.1, chat_chunk(role="assistant", content="")),
+        (0.2, end),
+        (0.0, usage),
+        (0.0, b"data: [DONE]\n\n"),
+    ]
+    record = await run(CHAT, httpx.Response(200, stream=TimedStream(clock, parts)), clock)
+    assert record.success and record.ttft is None and record.tpot is None
+    assert record.e2el == pytest.approx(0.3)
+    assert (record.output_tokens, record.text) == (1, "")
 
 
 async def test_bad_json_chunk_is_a_failure() -> None:
