@@ -112,11 +112,12 @@ class StreamTimer:
         record = self.record
         if not self.done:
             raise StreamError("stream ended without data: [DONE]")
-        if self.last is None and self.ended is None:
-            raise StreamError("no chunk carried generated text")
         # A reply may be empty (the model's first token was its end): it has no first token
         # (no TTFT), and ends when its finish_reason came.
-        record.e2el = (self.last if self.last is not None else self.ended) - self.sent
+        last = self.last if self.last is not None else self.ended
+        if last is None:
+            raise StreamError("no chunk carried generated text")
+        record.e2el = last - self.sent
         if self.usage_tokens is not None:
             record.output_tokens = self.usage_tokens
         else:
