@@ -41,6 +41,8 @@ class SamplingOptions:
     json_format: JsonFormat | None = None
     # This request's cap on the drafts it verifies per step; 0: no speculation for it.
     max_draft_tokens: int | None = None
+    # False: no looked-up proposals for it (the hybrid), only the draft model's.
+    lookups: bool = True
     # Token id -> bias added to its logit before sampling (read-only, e.g. a MappingProxyType);
     # with speculation the engine must keep drafts away from such a request.
     logit_bias: Mapping[int, float] | None = None

@@ -19,6 +19,7 @@ from server.errors import EngineUnavailableError, InternalError, InvalidRequestE
 from server.vllm_plugins.request_args import (
     LOOKUP_COUNTS_PARAM,
     MAX_DRAFT_TOKENS_ARG,
+    NO_LOOKUPS_ARG,
     REQUEST_ARG,
     TENANT_ARG,
 )
@@ -107,6 +108,8 @@ def scheduler_args(
     args: dict[str, Any] = {}
     if options.max_draft_tokens is not None:
         args[MAX_DRAFT_TOKENS_ARG] = options.max_draft_tokens
+    if not options.lookups:
+        args[NO_LOOKUPS_ARG] = True
     if tenant is not None:
         args[TENANT_ARG] = tenant
     if request_id is not None:

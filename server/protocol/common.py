@@ -98,12 +98,20 @@ class SpeculationOptions(StrictRequest):
 
     # At most this many draft tokens verified per step for this request; 0: none (the
     # request decodes as without speculation), e.g. to A/B speculation on live traffic.
-    max_draft_tokens: int = Field(ge=0, le=64)
+    max_draft_tokens: int | None = Field(None, ge=0, le=64)
+    # False: nothing looked up is proposed to this request, only the draft model's
+    # proposals (the hybrid), e.g. to A/B the lookups on live traffic.
+    lookups: bool = True
 
 
 def draft_cap(options: SpeculationOptions | None) -> int | None:
     """A request's cap on its drafts per step, if it set one."""
     return None if options is None else options.max_draft_tokens
+
+
+def lookups_wanted(options: SpeculationOptions | None) -> bool:
+    """Whether the request may be proposed looked-up tokens."""
+    return options is None or options.lookups
 
 
 # vllm-router re-serializes chat and completion bodies with these fields of vLLM's and

@@ -39,6 +39,7 @@ from server.protocol.common import (
     SpeculationSummary,
     Usage,
     draft_cap,
+    lookups_wanted,
 )
 from server.protocol.limits import LimitExceededError
 from server.serving.observer import RequestObserver
@@ -117,6 +118,7 @@ def sampling_options(
         json_format=grammar,
         logit_bias=bias,
         max_draft_tokens=draft_cap(body.speculation),
+        lookups=lookups_wanted(body.speculation),
     )
 
 

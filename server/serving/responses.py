@@ -25,7 +25,7 @@ from server.engine.contract import (
     SamplingOptions,
 )
 from server.errors import APIError, InvalidRequestError
-from server.protocol.common import draft_cap
+from server.protocol.common import draft_cap, lookups_wanted
 from server.protocol.limits import RequestLimits
 from server.protocol.responses import (
     CreateResponseRequest,
@@ -126,6 +126,7 @@ def prepare(
         seed=body.seed,
         json_format=(tools.grammar() if tools else None) or json_format(body.response_format()),
         max_draft_tokens=draft_cap(body.speculation),
+        lookups=lookups_wanted(body.speculation),
     )
     response_id = new_id("resp", "_")
     request = GenerationRequest(

@@ -12,6 +12,7 @@ from typing import Any
 CALIBRATION_PREFIX = "specserve-calibrate-"
 MAX_DRAFT_TOKENS_ARG = "specserve_max_draft_tokens"  # a request's cap, in extra_args
 TENANT_ARG = "specserve_tenant"  # whose replies a request may be proposed, in extra_args
+NO_LOOKUPS_ARG = "specserve_no_lookups"  # True: the request asked for the draft's proposals only
 # The front end's request id: a request's n sequences share it (vLLM copies extra_args).
 REQUEST_ARG = "specserve_request"
 # The looked-up tokens, verified and accepted, of a request's finished sequences by vLLM's

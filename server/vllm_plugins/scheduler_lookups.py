@@ -12,11 +12,11 @@ whose requests all verify lookups, keeps lookup steps out of what its controller
 the draft, and feeds each finished reply into its tenant's tree. In auto mode lookups also
 answer to what they measured: at a batch size where steps verifying lookups made fewer tokens
 per second than plain steps, none are proposed until that evidence fades (end_to_end.py).
-Calibration requests, requests with logit_bias and requests that capped their drafts at 0 get
-no lookups. An exception here turns lookups off for the rest of the process
-(`patching.contained`); the draft goes on alone. A failure of the autopilot turns them off too
-(the scheduler stops calling them): nothing is proposed past it. `LOOKUP` declares the patch
-for the registry.
+Calibration requests, requests with logit_bias, requests that capped their drafts at 0 and
+requests that asked for none (`speculation.lookups: false`) get no lookups. An exception here
+turns lookups off for the rest of the process (`patching.contained`); the draft goes on alone.
+A failure of the autopilot turns them off too (the scheduler stops calling them): nothing is
+proposed past it. `LOOKUP` declares the patch for the registry.
 """
 
 import time
@@ -32,6 +32,7 @@ from server.autopilot.tree_pricing import TreePricing
 from server.vllm_plugins import patching
 from server.vllm_plugins.request_args import (
     CALIBRATION_PREFIX,
+    NO_LOOKUPS_ARG,
     REQUEST_ARG,
     TENANT_ARG,
     draft_cap,
@@ -130,6 +131,7 @@ class SchedulerLookups:
                 or request.num_computed_tokens != request.num_tokens - 1
                 or request_id.startswith(CALIBRATION_PREFIX)
                 or has_logit_bias(request)
+                or extra_arg(request, NO_LOOKUPS_ARG)
             ):
                 continue
             own_cap = draft_cap(request)

@@ -499,6 +499,7 @@ def test_lookups_go_to_decoding_requests_that_may_have_them() -> None:
         _request("biased", COPY, sampling_params=SimpleNamespace(logit_bias={5: 1.0})),
         _request(f"{request_args.CALIBRATION_PREFIX}0", COPY),
         _request("off", COPY, extra_args={request_args.MAX_DRAFT_TOKENS_ARG: 0}),
+        _request("draft-only", COPY, extra_args={request_args.NO_LOOKUPS_ARG: True}),
         _request("two", COPY, extra_args={request_args.MAX_DRAFT_TOKENS_ARG: 2}),
     ]
     chosen = _propose(_lookups(), requests)

@@ -124,3 +124,22 @@ async def test_a_request_s_draft_cap_reaches_the_engine(
     plain = {"model": "scripted", "prompt": "x"}
     assert (await client.post("/v1/completions", json=plain)).status_code == 200
     assert [r.sampling.max_draft_tokens for r in engine.requests] == [0, 0, 0, None]
+    assert all(r.sampling.lookups for r in engine.requests)
+
+
+async def test_a_request_may_ask_for_the_draft_s_proposals_only(
+    client: httpx.AsyncClient, engine: ScriptedEngine
+) -> None:
+    off = {"speculation": {"lookups": False}}
+    for path, body in (
+        ("/v1/chat/completions", {"messages": USER}),
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/responses", {"input": "x"}),
+    ):
+        response = await client.post(path, json={"model": "scripted", **body, **off})
+        assert response.status_code == 200, response.text
+    assert [(r.sampling.lookups, r.sampling.max_draft_tokens) for r in engine.requests] == [
+        (False, None)
+    ] * 3
+    bad = {"model": "scripted", "prompt": "x", "speculation": {"lookups": "maybe"}}
+    assert (await client.post("/v1/completions", json=bad)).status_code == 400

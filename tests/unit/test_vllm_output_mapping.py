@@ -4,9 +4,21 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.engine.vllm_outputs import FinishedLookups, finish_reason, speculation_stats
+from server.engine.contract import SamplingOptions
+from server.engine.vllm_outputs import (
+    FinishedLookups,
+    finish_reason,
+    scheduler_args,
+    speculation_stats,
+)
 from server.errors import EngineUnavailableError, InternalError
-from server.vllm_plugins.request_args import LOOKUP_COUNTS_PARAM
+from server.vllm_plugins.request_args import (
+    LOOKUP_COUNTS_PARAM,
+    MAX_DRAFT_TOKENS_ARG,
+    NO_LOOKUPS_ARG,
+    REQUEST_ARG,
+    TENANT_ARG,
+)
 
 
 @pytest.mark.parametrize(
@@ -62,3 +74,14 @@ def test_lookup_counts_reach_the_request_whole_however_vllm_merges_outputs() -> 
     )
     stats = speculation_stats(metrics, tokens=9, lookups=(4, 3))
     assert (stats.lookup_tokens, stats.lookup_accepted_tokens) == (4, 3)
+
+
+def test_a_request_s_own_speculation_options_reach_the_scheduler() -> None:
+    options = SamplingOptions(max_tokens=4, max_draft_tokens=2, lookups=False)
+    assert scheduler_args(options, "t", "r-1") == {
+        MAX_DRAFT_TOKENS_ARG: 2,
+        NO_LOOKUPS_ARG: True,
+        TENANT_ARG: "t",
+        REQUEST_ARG: "r-1",
+    }
+    assert scheduler_args(SamplingOptions(max_tokens=4), None, None) is None
