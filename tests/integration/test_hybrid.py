@@ -132,6 +132,20 @@ async def test_a_biased_request_gets_no_lookups(
     assert _grown(after, before, "lookup", "verified") == 0
 
 
+async def test_a_request_that_asks_for_the_draft_alone_gets_no_lookups(
+    hybrid_server: RunningServer,
+) -> None:
+    prompt = "class Queue:\n    def put(self, item):"
+    (first,) = await _tokens(hybrid_server.engine, "no-lookups-1", prompt, GREEDY, "no-lookups")
+    before = await _counts(hybrid_server)
+    draft_only = replace(GREEDY, lookups=False)
+    (again,) = await _tokens(hybrid_server.engine, "no-lookups-2", prompt, draft_only, "no-lookups")
+    after = await _counts(hybrid_server)
+    assert again == first
+    assert _grown(after, before, "lookup", "verified") == 0  # its own reply was there to find
+    assert _grown(after, before, "draft", "verified") > 0
+
+
 async def test_one_tenant_s_replies_are_never_proposed_to_another(
     hybrid_server: RunningServer,
 ) -> None:
