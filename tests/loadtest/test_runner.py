@@ -4,6 +4,8 @@ import asyncio
 import json
 import random
 import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -244,6 +246,18 @@ def test_bad_command_lines_exit_with_usage(argv: list[str]) -> None:
     assert exit_info.value.code == 2
 
 
+@contextmanager
+def _clients_through(transport: httpx.MockTransport) -> Iterator[None]:
+    """Every client the runner opens sends its requests to `transport`."""
+    real_client = httpx.AsyncClient
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            "loadtest.runner.httpx.AsyncClient",
+            lambda **kwargs: real_client(transport=transport, **kwargs),
+        )
+        yield
+
+
 async def test_metrics_are_read_where_the_server_serves_them() -> None:
     """specserve serves /metrics on a port apart from the API: a URL of its own."""
     scraped: list[str] = []
@@ -264,12 +278,7 @@ async def test_metrics_are_read_where_the_server_serves_them() -> None:
             return httpx.Response(404)
         return await Scripted("s", []).handler(request)
 
-    transport, real_client = httpx.MockTransport(handler), httpx.AsyncClient
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(
-            "loadtest.runner.httpx.AsyncClient",
-            lambda **kwargs: real_client(transport=transport, **kwargs),
-        )
+    with _clients_through(httpx.MockTransport(handler)):
         server = await open_server(
             "s", "http://t:8000", Options(model="m"), metrics_url="http://t:9400/metrics"
         )
@@ -288,13 +297,7 @@ async def test_each_side_of_a_comparison_may_send_its_own_key() -> None:
         ["compare", "--a", "http://t", "--b", "http://t", "--model", "m", "--warmup", "0",
          "--api-key", "k-both", "--b-api-key", "k-b"]
     )  # fmt: skip
-    transport = httpx.MockTransport(lambda request: httpx.Response(404))
-    real_client = httpx.AsyncClient
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(
-            "loadtest.runner.httpx.AsyncClient",
-            lambda **kwargs: real_client(transport=transport, **kwargs),
-        )
+    with _clients_through(httpx.MockTransport(lambda request: httpx.Response(404))):
         servers = await cli._open(args, Options(model="m", api_key=args.api_key),
                                   [("A", "http://t", {}), ("B", "http://t", {})])  # fmt: skip
     keys = [server.client.headers["authorization"] for server in servers]
