@@ -179,7 +179,8 @@ class AutopilotScheduler(Scheduler):
         counts = lookups.finished(request, self.requests) if lookups is not None else None
         kv_transfer_params, ec_transfer_params = super()._free_request(request, *args, **kwargs)
         if counts is not None and kv_transfer_params is None:
-            # Its request's lookups, to the response's counts by source (request_args.py).
+            # Its request's lookups, to the response's counts by source (request_args.py); its
+            # last step's are in them: _observe counts a step before vLLM's update frees it.
             kv_transfer_params = {LOOKUP_COUNTS_PARAM: counts}
         return kv_transfer_params, ec_transfer_params
 
