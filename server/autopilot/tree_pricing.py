@@ -18,6 +18,11 @@ like a copy in progress (both read 1.0, and a copy's eight positions a step woul
 rate); one learnt factor scaling every estimate would do the same. 2 x 3 x 3 keys stay few
 enough that each is measured within the first requests that reach it.
 
+A step whose requests all verify lookups idles the draft, so a request's next step has no draft
+proposal: where its run of lookups ends there, that step verifies nothing while the draft
+catches up. How often a run ends after a step is measured too, by origin and match class: on
+chat most runs are one short match long, on code edits a copy runs for many steps.
+
 Stdlib only.
 """
 
@@ -36,6 +41,9 @@ HALF_LIFE_POSITIONS = 64.0
 PRIOR_STRENGTH = 4.0
 
 Key = tuple[str, int, int]  # origin, match class, estimate bucket
+RunKey = tuple[str, int]  # origin, match class
+# Before a run's end is measured, a step is priced as even odds of being its last.
+RUN_END_PRIOR = 0.5
 
 
 def _estimates(proposal: Proposal) -> list[float]:
@@ -48,13 +56,21 @@ def _estimates(proposal: Proposal) -> list[float]:
     return conditional
 
 
+def _match_class(match_length: int) -> int:
+    return bisect_right(MATCH_CLASSES, match_length) - 1
+
+
+def _run_key(proposal: Proposal) -> RunKey:
+    return proposal.origin, _match_class(proposal.match_length)
+
+
 def _keys(proposal: Proposal) -> list[tuple[Key, float]]:
     """Each position's key and the tree's estimate of it."""
     return [
         (
             (
                 proposal.origin,
-                bisect_right(MATCH_CLASSES, proposal.match_length + i) - 1,
+                _match_class(proposal.match_length + i),
                 bisect_right(ESTIMATE_EDGES, estimate),
             ),
             estimate,
@@ -69,6 +85,7 @@ class TreePricing:
     def __init__(self) -> None:
         self._decay = 0.5 ** (1.0 / HALF_LIFE_POSITIONS)
         self._counts: dict[Key, tuple[float, float]] = {}  # reached, accepted (decayed)
+        self._runs: dict[RunKey, tuple[float, float]] = {}  # steps, last of their run (decayed)
 
     def rates(self, proposal: Proposal) -> list[float]:
         """Each position's calibrated chance of acceptance, the positions before it accepted."""
@@ -106,3 +123,16 @@ class TreePricing:
                 self._decay * reached + 1.0,
                 self._decay * passed + float(position < accepted),
             )
+
+    def run_ends(self, proposal: Proposal) -> float:
+        """The chance that a request verifying the proposal with the draft idle finds no
+        lookup worth verifying at its next step."""
+        steps, ended = self._runs.get(_run_key(proposal), (0.0, 0.0))
+        return (ended + PRIOR_STRENGTH * RUN_END_PRIOR) / (steps + PRIOR_STRENGTH)
+
+    def observe_run(self, proposal: Proposal, ended: bool) -> None:
+        """A request verified the proposal with the draft idle; its next step `ended` the
+        run (verified no lookup)."""
+        key = _run_key(proposal)
+        steps, last = self._runs.get(key, (0.0, 0.0))
+        self._runs[key] = (self._decay * steps + 1.0, self._decay * last + float(ended))

@@ -120,7 +120,8 @@ class SchedulerLookups:
         requests = list(running)
         batch = len(requests)
         price = self._verify_price(batch)
-        chosen: dict[str, Proposal] = {}
+        previous = self._step  # what the last step verified of lookups, by request
+        candidates: list[tuple[Any, Proposal, int]] = []
         measured = self._veto.speedup(batch) if self._veto is not None else None
         if measured is not None and measured < 1.0:
             requests = []
@@ -140,15 +141,23 @@ class SchedulerLookups:
                 continue
             tenant = extra_arg(request, TENANT_ARG)
             proposal = self._proposer.find(request_id, tenant, request.all_token_ids, cap)
-            if proposal is None:
+            length = 0 if proposal is None else self._pricing.worth_verifying(proposal, price)
+            before = previous.get(request_id)
+            if before is not None and not request.spec_token_ids:  # the draft idled
+                self._pricing.observe_run(before, ended=length == 0)
+            if proposal is None or length == 0:
                 continue
-            length = self._pricing.worth_verifying(proposal, price)
-            if length == 0 or not self._wins(request, proposal, length, batch):
-                continue
+            if self._wins(request, proposal, length, batch, draft_idles=False):
+                candidates.append((request, proposal, length))
+        if len(candidates) == batch:
+            # Lookups alone would idle the draft: each must also pay for its run's end.
+            candidates = [c for c in candidates if self._wins(*c, batch, draft_idles=True)]
+        chosen: dict[str, Proposal] = {}
+        for request, proposal, length in candidates:
             tokens = validate(request, proposal.tokens[:length])
             if tokens:
                 request.spec_token_ids = tokens
-                chosen[request_id] = proposal
+                chosen[request.request_id] = proposal
         self._seconds += time.perf_counter() - started
         self._rounds += 1
         self._proposed = chosen
@@ -206,14 +215,21 @@ class SchedulerLookups:
             del self._finished[key]  # its last sequence
         return finished or None
 
-    def _wins(self, request: Any, proposal: Proposal, length: int, batch: int) -> bool:
+    def _wins(
+        self, request: Any, proposal: Proposal, length: int, batch: int, draft_idles: bool
+    ) -> bool:
         """Whether verifying the lookup's first `length` tokens is expected to make this
         request's tokens faster than the draft's proposal (none where the draft idled). Each
         side's step is priced as if the whole batch did the same: a step of lookups alone
-        runs no draft pass, and the draft's passes are what a lookup saves."""
+        runs no draft pass, and the draft's passes are what a lookup saves. Where that step
+        would idle a draft that has a proposal (`draft_idles`), the lookup is charged what
+        the next step loses when the run ends there: the draft's proposal, all but the one
+        token a step makes without it."""
         drafts = len(request.spec_token_ids)
         draft_tokens = tokens_by_k(self._acceptance.position_rates(request.request_id), drafts)[-1]
         lookup_tokens = self._pricing.expected_tokens(proposal, length)
+        if draft_idles and drafts:
+            lookup_tokens -= self._pricing.run_ends(proposal) * (draft_tokens - 1.0)
         cost = self._cost
         if not cost.ready:
             return lookup_tokens > draft_tokens

@@ -626,3 +626,41 @@ def test_the_hybrid_asks_for_lookups_on_a_cpu_and_on_a_gpu_only_with_the_engine_
     spec = VllmEngine(hybrid)._speculative_config(autopilot=True, lookups=True)
     assert spec is not None
     assert (spec["method"], spec["num_speculative_tokens"]) == ("draft_model", 8)
+
+
+def test_a_lookup_that_would_idle_the_draft_pays_for_the_end_of_its_run() -> None:
+    tracker = AcceptanceTracker(4)
+    for _ in range(20):
+        tracker.observe("r", 4, 4)  # the draft's proposals are all accepted
+    # Four looked-up tokens priced certain: 5 tokens a step against the draft's 4.9.
+    lookups = SchedulerLookups(4, 1000, SimpleNamespace(ready=False), tracker, None)
+
+    def request() -> SimpleNamespace:
+        return _request("r", COPY, spec_token_ids=[90, 91, 92, 93])
+
+    # Alone, the step would idle the draft, and at even odds the run ends after it: the
+    # next step would verify nothing while the draft catches up. The draft keeps it.
+    alone = request()
+    assert _propose(lookups, [alone]) == {}
+    assert alone.spec_token_ids == [90, 91, 92, 93]
+    # Beside a request that needs the draft, the draft runs anyway: the lookup is taken.
+    beside = request()
+    assert list(_propose(lookups, [beside, _request("new", list(range(200, 260)))])) == ["r"]
+    assert beside.spec_token_ids == list(range(120, 124))
+
+
+def test_the_end_of_a_run_is_measured_where_the_draft_idled() -> None:
+    lookups = _lookups()
+    (proposal,) = _propose(lookups, [_request("r", COPY)]).values()
+    lookups.scheduled({"r": proposal.tokens})
+    prior = lookups._pricing.run_ends(proposal)
+    # Its next step finds nothing to look up, with the draft idle: the run ended.
+    changed = [*COPY, *range(120, 128), 999]
+    _propose(lookups, [_request("r", changed)])
+    ended = lookups._pricing.run_ends(proposal)
+    assert ended > prior
+    # After a lookup step whose draft ran (a proposal is ready), nothing is learnt of runs.
+    (again,) = _propose(lookups, [_request("s", COPY)]).values()
+    lookups.scheduled({"s": again.tokens})
+    _propose(lookups, [_request("s", changed, spec_token_ids=[1, 2])])
+    assert lookups._pricing.run_ends(proposal) == ended

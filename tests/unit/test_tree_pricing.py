@@ -86,3 +86,15 @@ def test_worth_verifying_cuts_where_the_price_exceeds_a_position_s_worth() -> No
 def test_observations_must_make_sense() -> None:
     with pytest.raises(ValueError):
         TreePricing().observe(proposal([1.0, 1.0]), verified=1, accepted=2)
+
+
+def test_a_run_of_lookups_ends_at_even_odds_until_measured_then_as_measured() -> None:
+    pricing = TreePricing()
+    short, copy = proposal([1.0], match_length=1), proposal([1.0] * 8)
+    assert pricing.run_ends(short) == pricing.run_ends(copy) == 0.5
+    for _ in range(40):
+        pricing.observe_run(short, ended=True)  # chat: a short match, then the draft again
+        pricing.observe_run(copy, ended=False)  # a copy runs on
+    assert pricing.run_ends(short) > 0.9
+    assert pricing.run_ends(copy) < 0.1
+    assert pricing.run_ends(proposal([1.0], match_length=1, origin="replies")) == 0.5
