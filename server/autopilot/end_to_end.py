@@ -11,7 +11,9 @@ from server.autopilot.cost_model import MIN_STEP_SECONDS
 # How the sides forget (for lookups, "speculating" is the steps that verified lookups):
 # - The speculating side forgets at _SPECULATING_DECAY per step of its own (about the last 50)
 #   and at _VETO_RECOVERY per plain step: a batch size stopped after 8 steps retries after ~700
-#   plain steps, and a retry of one step recurs every ~220.
+#   plain steps, and a retry of one step recurs every ~220. For lookups it also forgets at
+#   _VETO_RECOVERY per step of neither side (one with draft work): where they stopped, the draft
+#   runs instead and plain steps are few, so the retry would otherwise never come.
 # - The plain side forgets at _PLAIN_DECAY per plain step and at _PLAIN_STALENESS per
 #   speculating step: where speculation runs throughout, one plain step every ~220 keeps the
 #   comparison current (at a new batch size, five plain steps follow its first five).
@@ -58,6 +60,13 @@ class EndToEnd:
         else:
             plain_side.add(tokens, seconds, _PLAIN_DECAY)
             trying_side.fade(1.0 - _VETO_RECOVERY)
+
+    def neither(self, batch: int) -> None:
+        """A step at this batch size on neither side: the trying side forgets as on a plain
+        step."""
+        sides = self._sides.get(batch)
+        if sides is not None:
+            sides[0].fade(1.0 - _VETO_RECOVERY)
 
     def speedup(self, batch: int) -> float | None:
         """Tokens/s trying over tokens/s plain at this batch size (None: fewer than

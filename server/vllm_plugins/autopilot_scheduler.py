@@ -372,8 +372,11 @@ class AutopilotScheduler(Scheduler):
             caught_up_tokens=self._caught_up,
         )
         self._cost.observe(step)
-        if self._lookups is not None and not (prefill_tokens or decision.k or drafted):
-            self._lookups.end_to_end(step.batch_size, duration, generated, verified_total > 0)
+        if self._lookups is not None:
+            if prefill_tokens or decision.k or drafted:
+                self._lookups.not_compared(step.batch_size)
+            else:
+                self._lookups.end_to_end(step.batch_size, duration, generated, verified_total > 0)
         # What the controller measures is the draft's doing; a lookup step's is not.
         looked_up = self._lookups is not None and self._lookups.in_step()
         if self._mode == "auto" and self._cost.ready and not looked_up:

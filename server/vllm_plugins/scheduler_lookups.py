@@ -191,6 +191,12 @@ class SchedulerLookups:
         if self._veto is not None:
             self._veto.observe(batch, tokens, seconds, trying=looked_up)
 
+    def not_compared(self, batch: int) -> None:
+        """A step with draft work or a prefill, which the veto does not compare: where
+        lookups stopped, such steps count toward their retry as plain ones do."""
+        if self._veto is not None:
+            self._veto.neither(batch)
+
     @patching.contained(LOOKUP, _nothing)
     def finished(
         self, request: Any, requests: Mapping[str, Any]

@@ -610,6 +610,12 @@ def test_auto_mode_feeds_the_lookup_veto_only_steps_without_draft_work() -> None
         step(4, autopilot_scheduler.Decision(k=2), looked_up=False, seconds=9.0)  # drafts
     assert veto.speedup(1) == pytest.approx(0.5)
     assert _propose(lookups, [_request("r", COPY)]) == {}  # vetoed at one request
+    # The draft runs meanwhile, few steps are plain: its steps bring the retry on.
+    drafted = 0
+    while not _propose(lookups, [_request("r", COPY)]) and drafted < 2000:
+        step(4, autopilot_scheduler.Decision(k=2), looked_up=False, seconds=9.0)
+        drafted += 1
+    assert 100 < drafted < 2000
 
 
 def test_the_hybrid_asks_for_lookups_on_a_cpu_and_on_a_gpu_only_with_the_engine_patches(
