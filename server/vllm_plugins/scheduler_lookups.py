@@ -7,9 +7,12 @@ priced by the trees' frequencies calibrated against what the target accepted
 (`Request.spec_token_ids`, what vLLM schedules) where it is expected to make the request's
 tokens faster, cut to the tokens worth verifying at this machine's verify cost. A match of any
 length may propose, one token of agreement included: after an edit, lookups resume where what
-followed the last tokens before was frequent. The scheduler then idles the draft in a step
-whose requests all verify lookups, keeps lookup steps out of what its controller measures of
-the draft, and feeds each finished reply into its tenant's tree. In auto mode lookups also
+followed the last tokens before was frequent. Where every request of a step has a lookup that
+wins against the draft with the draft idle (its passes saved, the end of its run paid for),
+the scheduler idles the draft; otherwise the draft runs for the step anyway, and a lookup
+replaces a request's draft proposal only where it is expected to give more tokens in that step.
+The scheduler keeps lookup steps out of what its controller measures of the draft, and feeds
+each finished reply into its tenant's tree. In auto mode lookups also
 answer to what they measured: at a batch size where steps verifying lookups made fewer tokens
 per second than plain steps, none are proposed until that evidence fades (end_to_end.py).
 Calibration requests, requests with logit_bias, requests that capped their drafts at 0 and
@@ -103,6 +106,7 @@ class SchedulerLookups:
         self._acceptance = acceptance  # the draft's, which a lookup is weighed against
         self._proposed: dict[str, Proposal] = {}  # this step's lookups, before vLLM schedules
         self._step: dict[str, Proposal] = {}  # request id -> the lookup it verifies this step
+        self._idles_draft = False  # this step's lookups were priced with the draft idle
         self._by_origin = {"prompt": Verified(), "replies": Verified()}
         self._by_request: dict[str, Verified] = {}  # each running sequence's lookups
         # Front-end request id -> its finished sequences' counts, while a sibling runs.
@@ -121,7 +125,8 @@ class SchedulerLookups:
         batch = len(requests)
         price = self._verify_price(batch)
         previous = self._step  # what the last step verified of lookups, by request
-        candidates: list[tuple[Any, Proposal, int]] = []
+        # Each lookup, its length, and whether it wins with the draft idle and beside it.
+        candidates: list[tuple[Any, Proposal, int, bool, bool]] = []
         measured = self._veto.speedup(batch) if self._veto is not None else None
         if measured is not None and measured < 1.0:
             requests = []
@@ -147,20 +152,22 @@ class SchedulerLookups:
                 self._pricing.observe_run(before, ended=length == 0)
             if proposal is None or length == 0:
                 continue
-            if self._wins(request, proposal, length, batch, draft_idles=False):
-                candidates.append((request, proposal, length))
-        if len(candidates) == batch:
-            # Lookups alone would idle the draft: each must also pay for its run's end.
-            candidates = [c for c in candidates if self._wins(*c, batch, draft_idles=True)]
+            idle = self._wins_idle(request, proposal, length, batch)
+            beside = self._wins_beside_draft(request, proposal, length, batch)
+            candidates.append((request, proposal, length, idle, beside))
+        # The draft idles only where every request's lookup wins so; else it runs anyway.
+        idles = len(candidates) == batch and all(idle for *_, idle, _ in candidates)
         chosen: dict[str, Proposal] = {}
-        for request, proposal, length in candidates:
-            tokens = validate(request, proposal.tokens[:length])
-            if tokens:
-                request.spec_token_ids = tokens
-                chosen[request.request_id] = proposal
+        for request, proposal, length, idle, beside in candidates:
+            if idle if idles else beside:
+                tokens = validate(request, proposal.tokens[:length])
+                if tokens:
+                    request.spec_token_ids = tokens
+                    chosen[request.request_id] = proposal
         self._seconds += time.perf_counter() - started
         self._rounds += 1
         self._proposed = chosen
+        self._idles_draft = idles
         return chosen
 
     def scheduled(self, spec_decode_tokens: Mapping[str, list[int]]) -> None:
@@ -173,8 +180,9 @@ class SchedulerLookups:
         return len(self._step)
 
     def serve_all(self, request_ids: list[str]) -> bool:
-        """Whether every request of this step verifies a lookup (the draft is not needed)."""
-        return bool(self._step) and all(r in self._step for r in request_ids)
+        """Whether the draft idles this step: every request of it verifies a lookup priced
+        with the draft idle."""
+        return self._idles_draft and bool(self._step) and all(r in self._step for r in request_ids)
 
     def observe(self, request_id: str, verified: int, accepted: int) -> bool:
         """A verify step of one request; False where its proposal was the draft's."""
@@ -221,26 +229,42 @@ class SchedulerLookups:
             del self._finished[key]  # its last sequence
         return finished or None
 
-    def _wins(
-        self, request: Any, proposal: Proposal, length: int, batch: int, draft_idles: bool
-    ) -> bool:
-        """Whether verifying the lookup's first `length` tokens is expected to make this
-        request's tokens faster than the draft's proposal (none where the draft idled). Each
-        side's step is priced as if the whole batch did the same: a step of lookups alone
-        runs no draft pass, and the draft's passes are what a lookup saves. Where that step
-        would idle a draft that has a proposal (`draft_idles`), the lookup is charged what
-        the next step loses when the run ends there: the draft's proposal, all but the one
-        token a step makes without it."""
+    def _draft_tokens(self, request: Any) -> tuple[int, float]:
+        """The draft's proposal for the request (none where the draft idled): its length and
+        the tokens a step verifying it is expected to give."""
         drafts = len(request.spec_token_ids)
-        draft_tokens = tokens_by_k(self._acceptance.position_rates(request.request_id), drafts)[-1]
+        rates = self._acceptance.position_rates(request.request_id)
+        return drafts, tokens_by_k(rates, drafts)[-1]
+
+    def _wins_idle(self, request: Any, proposal: Proposal, length: int, batch: int) -> bool:
+        """Whether verifying the lookup's first `length` tokens in a step of lookups alone,
+        which runs no draft pass, is expected to make the request's tokens faster than the
+        draft's proposal. Where the draft has one, the lookup is also charged what the next
+        step loses when the run ends there: the draft's proposal, all but the one token a
+        step makes without it, while the draft catches up."""
+        drafts, draft_tokens = self._draft_tokens(request)
         lookup_tokens = self._pricing.expected_tokens(proposal, length)
-        if draft_idles and drafts:
+        if drafts:
             lookup_tokens -= self._pricing.run_ends(proposal) * (draft_tokens - 1.0)
         cost = self._cost
         if not cost.ready:
             return lookup_tokens > draft_tokens
         lookup_seconds = cost.predict(batch, 0) + cost.verify_seconds_per_token() * length
         return lookup_tokens / lookup_seconds > draft_tokens / cost.predict(batch, drafts)
+
+    def _wins_beside_draft(self, request: Any, proposal: Proposal, length: int, batch: int) -> bool:
+        """Whether verifying the lookup's first `length` tokens instead of the draft's
+        proposal is expected to make the request's tokens faster in a step that runs the
+        draft anyway (for the other requests, or to keep it ready): the same step, but for
+        the tokens verified."""
+        drafts, draft_tokens = self._draft_tokens(request)
+        lookup_tokens = self._pricing.expected_tokens(proposal, length)
+        cost = self._cost
+        if not cost.ready:
+            return lookup_tokens > draft_tokens
+        step = cost.predict(batch, drafts)
+        lookup_seconds = step + cost.verify_seconds_per_token() * (length - drafts)
+        return lookup_tokens / lookup_seconds > draft_tokens / step
 
     def _verify_price(self, batch: int) -> float:
         """One more verified token's cost, in the output tokens a plain step of this batch

@@ -634,25 +634,48 @@ def test_the_hybrid_asks_for_lookups_on_a_cpu_and_on_a_gpu_only_with_the_engine_
     assert (spec["method"], spec["num_speculative_tokens"]) == ("draft_model", 8)
 
 
-def test_a_lookup_that_would_idle_the_draft_pays_for_the_end_of_its_run() -> None:
+def _priced(plain: float, position: float) -> Any:
+    """A ready cost model: a step of `batch` requests verifying K drafts, 1 ms a verified
+    token."""
+    return SimpleNamespace(
+        ready=True,
+        predict=lambda batch, k: batch * (plain + position * k),
+        verify_seconds_per_token=lambda: 0.001,
+    )
+
+
+def _drafted(request_id: str, accepted: int) -> tuple[SimpleNamespace, AcceptanceTracker]:
+    """A request holding the draft's proposal of 4, `accepted` of each accepted so far."""
     tracker = AcceptanceTracker(4)
     for _ in range(20):
-        tracker.observe("r", 4, 4)  # the draft's proposals are all accepted
-    # Four looked-up tokens priced certain: 5 tokens a step against the draft's 4.9.
-    lookups = SchedulerLookups(4, 1000, SimpleNamespace(ready=False), tracker, None)
+        tracker.observe(request_id, 4, accepted)
+    return _request(request_id, COPY, spec_token_ids=[90, 91, 92, 93]), tracker
 
-    def request() -> SimpleNamespace:
-        return _request("r", COPY, spec_token_ids=[90, 91, 92, 93])
 
-    # Alone, the step would idle the draft, and at even odds the run ends after it: the
-    # next step would verify nothing while the draft catches up. The draft keeps it.
-    alone = request()
-    assert _propose(lookups, [alone]) == {}
-    assert alone.spec_token_ids == [90, 91, 92, 93]
-    # Beside a request that needs the draft, the draft runs anyway: the lookup is taken.
-    beside = request()
-    assert list(_propose(lookups, [beside, _request("new", list(range(200, 260)))])) == ["r"]
-    assert beside.spec_token_ids == list(range(120, 124))
+@pytest.mark.parametrize("runs_end", [True, False])
+def test_a_lookup_idles_the_draft_only_where_its_run_is_expected_to_go_on(runs_end: bool) -> None:
+    # The draft's proposal: ~5 tokens in 60 ms. The lookup's 5 tokens: 6 in 45 ms alone, the
+    # draft idle, or in 61 ms beside it.
+    request, tracker = _drafted("r", accepted=4)
+    lookups = SchedulerLookups(5, 1000, _priced(0.04, 0.005), tracker, None)
+    for _ in range(40):
+        lookups._pricing.observe_run(Proposal([1], [1.0], 20, 1, "prompt"), ended=runs_end)
+    chosen = _propose(lookups, [request])
+    assert request.spec_token_ids == list(range(120, 125))  # verified either way
+    lookups.scheduled({r: p.tokens for r, p in chosen.items()})
+    # Where runs end after a step, the next step would verify nothing while the draft caught
+    # up: the draft runs, its proposal ready next step.
+    assert lookups.serve_all(["r"]) is not runs_end
+
+
+def test_beside_a_request_that_needs_the_draft_a_lookup_must_give_more_tokens() -> None:
+    # The draft's proposal gives 3 tokens; a lookup of one, 2 tokens, is cheaper only in a
+    # step that runs no draft, which a request without a lookup rules out.
+    capped, tracker = _drafted("r", accepted=2)
+    capped.sampling_params.extra_args = {request_args.MAX_DRAFT_TOKENS_ARG: 1}
+    lookups = SchedulerLookups(8, 1000, _priced(0.04, 0.01), tracker, None)
+    assert _propose(lookups, [capped, _request("new", list(range(200, 260)))]) == {}
+    assert capped.spec_token_ids == [90, 91, 92, 93]
 
 
 def test_the_end_of_a_run_is_measured_where_the_draft_idled() -> None:
