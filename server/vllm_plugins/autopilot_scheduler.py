@@ -14,9 +14,9 @@ for the `REPORT_BATCH_SIZES` batch sizes nearest the step's.
 
 With the hybrid proposer (`--speculative-method hybrid`) lookups (scheduler_lookups.py) may
 replace the draft's proposals before vLLM schedules the step; a step whose requests all verify
-lookups idles the draft (reason "lookup"), which catches up when it is needed again, and lookup
-steps stay out of what the controller measures of the draft (its acceptance, its end-to-end
-comparison).
+lookups priced with the draft idle idles it (reason "lookup"), the draft catching up when it is
+needed again, and lookup steps stay out of what the controller measures of the draft (its
+acceptance, its end-to-end comparison).
 
 The mode comes from the engine's settings (`patching.settings()`): "auto"
 (the controller), "fixed" (K up to a batch-size cut-off, as vLLM's static
