@@ -18,10 +18,10 @@ like a copy in progress (both read 1.0, and a copy's eight positions a step woul
 rate); one learnt factor scaling every estimate would do the same. 2 x 3 x 3 keys stay few
 enough that each is measured within the first requests that reach it.
 
-A step whose requests all verify lookups idles the draft, so a request's next step has no draft
-proposal: where its run of lookups ends there, that step verifies nothing while the draft
-catches up. How often a run ends after a step is measured too, by origin and match class: on
-chat most runs are one short match long, on code edits a copy runs for many steps.
+A step of lookups that idles the draft leaves a request's next step without a draft proposal:
+where its run of lookups ends there, that step verifies nothing while the draft catches up.
+How often a run ends after a step is measured too, by origin and match class: on chat most
+runs are one short match long, on code edits a copy runs for many steps.
 
 Stdlib only.
 """
