@@ -152,8 +152,7 @@ class SchedulerLookups:
                 self._pricing.observe_run(before, ended=length == 0)
             if proposal is None or length == 0:
                 continue
-            idle = self._wins_idle(request, proposal, length, batch)
-            beside = self._wins_beside_draft(request, proposal, length, batch)
+            idle, beside = self._wins(request, proposal, length, batch)
             candidates.append((request, proposal, length, idle, beside))
         # The draft idles only where every request's lookup wins so; else it runs anyway.
         idles = len(candidates) == batch and all(idle for *_, idle, _ in candidates)
@@ -229,42 +228,27 @@ class SchedulerLookups:
             del self._finished[key]  # its last sequence
         return finished or None
 
-    def _draft_tokens(self, request: Any) -> tuple[int, float]:
-        """The draft's proposal for the request (none where the draft idled): its length and
-        the tokens a step verifying it is expected to give."""
+    def _wins(self, request: Any, proposal: Proposal, length: int, batch: int) -> tuple[bool, bool]:
+        """Whether verifying the lookup's first `length` tokens instead of the draft's proposal
+        (none where the draft idled) is expected to make the request's tokens faster: in a step
+        of lookups alone, and in a step that runs the draft anyway.
+
+        Alone, the step runs no draft pass, but where the draft has a proposal the lookup is
+        charged what the next step loses when its run ends there: the draft's proposal, all but
+        the one token a step makes without it, while the draft catches up. Beside the draft
+        (for the other requests), the step is the same but for the tokens verified."""
         drafts = len(request.spec_token_ids)
-        rates = self._acceptance.position_rates(request.request_id)
-        return drafts, tokens_by_k(rates, drafts)[-1]
-
-    def _wins_idle(self, request: Any, proposal: Proposal, length: int, batch: int) -> bool:
-        """Whether verifying the lookup's first `length` tokens in a step of lookups alone,
-        which runs no draft pass, is expected to make the request's tokens faster than the
-        draft's proposal. Where the draft has one, the lookup is also charged what the next
-        step loses when the run ends there: the draft's proposal, all but the one token a
-        step makes without it, while the draft catches up."""
-        drafts, draft_tokens = self._draft_tokens(request)
+        draft_tokens = tokens_by_k(self._acceptance.position_rates(request.request_id), drafts)[-1]
         lookup_tokens = self._pricing.expected_tokens(proposal, length)
-        if drafts:
-            lookup_tokens -= self._pricing.run_ends(proposal) * (draft_tokens - 1.0)
+        run_end = self._pricing.run_ends(proposal) * (draft_tokens - 1.0) if drafts else 0.0
         cost = self._cost
         if not cost.ready:
-            return lookup_tokens > draft_tokens
-        lookup_seconds = cost.predict(batch, 0) + cost.verify_seconds_per_token() * length
-        return lookup_tokens / lookup_seconds > draft_tokens / cost.predict(batch, drafts)
-
-    def _wins_beside_draft(self, request: Any, proposal: Proposal, length: int, batch: int) -> bool:
-        """Whether verifying the lookup's first `length` tokens instead of the draft's
-        proposal is expected to make the request's tokens faster in a step that runs the
-        draft anyway (for the other requests, or to keep it ready): the same step, but for
-        the tokens verified."""
-        drafts, draft_tokens = self._draft_tokens(request)
-        lookup_tokens = self._pricing.expected_tokens(proposal, length)
-        cost = self._cost
-        if not cost.ready:
-            return lookup_tokens > draft_tokens
+            return lookup_tokens - run_end > draft_tokens, lookup_tokens > draft_tokens
         step = cost.predict(batch, drafts)
-        lookup_seconds = step + cost.verify_seconds_per_token() * (length - drafts)
-        return lookup_tokens / lookup_seconds > draft_tokens / step
+        verify = cost.verify_seconds_per_token()
+        alone = (lookup_tokens - run_end) / (cost.predict(batch, 0) + verify * length)
+        beside = lookup_tokens / (step + verify * (length - drafts))
+        return alone > draft_tokens / step, beside > draft_tokens / step
 
     def _verify_price(self, batch: int) -> float:
         """One more verified token's cost, in the output tokens a plain step of this batch
