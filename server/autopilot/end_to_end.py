@@ -1,19 +1,22 @@
 """End to end at one batch size: output tokens per second of the steps that do extra work
 (speculating, or verifying lookups) against plain steps, each side decayed. The one measure that
 sees everything the extra work costs: the controller (policy.py) stops speculation by it, the
-scheduler's lookups (server/vllm_plugins/scheduler_lookups.py) stop lookups by it. Stdlib only.
+scheduler's lookups (server/vllm_plugins/scheduler_lookups.py) stop lookups by it, once it
+reads slower with confidence. Stdlib only.
 """
 
+import math
 from dataclasses import dataclass
 
 from server.autopilot.cost_model import MIN_STEP_SECONDS
 
 # How the sides forget (for lookups, "speculating" is the steps that verified lookups):
 # - The speculating side forgets at _SPECULATING_DECAY per step of its own (about the last 50)
-#   and at _VETO_RECOVERY per plain step: a batch size stopped after 8 steps retries after ~700
-#   plain steps, and a retry of one step recurs every ~220. For lookups it also forgets at
-#   _VETO_RECOVERY per step of neither side (one with draft work): where they stopped, the draft
-#   runs instead and plain steps are few, so the retry would otherwise never come.
+#   and at _VETO_RECOVERY per plain step: a batch size stopped after 16 steps retries after ~700
+#   plain steps (below _VETO_CONFIDENT_STEPS), and a retry of one step recurs every ~100. For
+#   lookups it also forgets at _VETO_RECOVERY per step of neither side (one with draft work):
+#   where they stopped, the draft runs instead and plain steps are few, so the retry would
+#   otherwise never come.
 # - The plain side forgets at _PLAIN_DECAY per plain step and at _PLAIN_STALENESS per
 #   speculating step: where speculation runs throughout, one plain step every ~220 keeps the
 #   comparison current (at a new batch size, five plain steps follow its first five).
@@ -22,6 +25,15 @@ _PLAIN_DECAY = 0.99
 _PLAIN_STALENESS = 0.999
 _VETO_MIN_STEPS = 4.0
 _VETO_RECOVERY = 0.001
+# Extra work stops where its tokens/s read slower than plain steps' by more than this many
+# standard errors (one-sided 95%), over at least _VETO_CONFIDENT_STEPS of its own steps. Steps
+# that speculate vary widely (one token to K + 1), so a few early steps, one of them the draft
+# catching up on a prompt, can read slower by chance: stopping on the mean after 4 steps
+# stopped a draft that truly gained 1.2x in 40% of simulated runs (1.5x: 9%). With the
+# confidence: 2% (0%), and a true loss is still found, the larger the sooner (10 steps for
+# 0.8x, 30 for 0.9x; tests/unit/test_end_to_end.py).
+_VETO_STANDARD_ERRORS = 1.645
+_VETO_CONFIDENT_STEPS = 8.0
 
 
 @dataclass
@@ -31,18 +43,44 @@ class _Side:
     tokens: float = 0.0
     seconds: float = 0.0
     steps: float = 0.0
+    # For the rate's standard error: decayed squares and products, and squared weights.
+    tokens_squared: float = 0.0
+    seconds_squared: float = 0.0
+    tokens_seconds: float = 0.0
+    weights_squared: float = 0.0
 
     def add(self, tokens: int, seconds: float, decay: float) -> None:
-        self.tokens = decay * self.tokens + tokens
-        self.seconds = decay * self.seconds + seconds
-        self.steps = decay * self.steps + 1.0
+        self.fade(decay)
+        self.tokens += tokens
+        self.seconds += seconds
+        self.steps += 1.0
+        self.tokens_squared += tokens * tokens
+        self.seconds_squared += seconds * seconds
+        self.tokens_seconds += tokens * seconds
+        self.weights_squared += 1.0
 
     def fade(self, factor: float) -> None:
-        self.tokens, self.seconds, self.steps = (
-            factor * self.tokens,
-            factor * self.seconds,
-            factor * self.steps,
-        )
+        self.tokens *= factor
+        self.seconds *= factor
+        self.steps *= factor
+        self.tokens_squared *= factor
+        self.seconds_squared *= factor
+        self.tokens_seconds *= factor
+        self.weights_squared *= factor * factor
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+    def relative_variance(self) -> float:
+        """The squared relative standard error of the rate (a ratio estimate: its steps'
+        residuals tokens - rate x seconds, over their effective number)."""
+        rate = self.rate
+        squares = self.tokens_squared - 2.0 * rate * self.tokens_seconds
+        residual = (squares + rate * rate * self.seconds_squared) / self.steps
+        effective_steps = self.steps * self.steps / self.weights_squared
+        mean_seconds = self.seconds / self.steps
+        return max(residual, 0.0) / (effective_steps * (mean_seconds * rate) ** 2)
 
 
 class EndToEnd:
@@ -77,7 +115,20 @@ class EndToEnd:
         trying, plain = sides
         if not plain.tokens:
             return None
-        return (trying.tokens / trying.seconds) / (plain.tokens / plain.seconds)
+        return trying.rate / plain.rate
+
+    def slower(self, batch: int) -> bool:
+        """Extra work measured slower than plain steps at this batch size, with confidence."""
+        speedup = self.speedup(batch)
+        if speedup is None:
+            return False
+        trying, plain = self._sides[batch]
+        if trying.steps < _VETO_CONFIDENT_STEPS:
+            return False
+        if speedup == 0.0:
+            return True
+        error = math.sqrt(trying.relative_variance() + plain.relative_variance())
+        return math.log(speedup) + _VETO_STANDARD_ERRORS * error < 0.0
 
     @property
     def speedups(self) -> dict[int, float]:

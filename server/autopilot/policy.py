@@ -207,8 +207,7 @@ class Controller:
             return Decision(
                 k=0, per_request_k=dict.fromkeys(request_ids, 0), reason=IdleReason.CALIBRATING
             )
-        speedup_measured = self.end_to_end_speedup(batch)
-        paying = paying and (speedup_measured is None or speedup_measured >= 1.0)
+        paying = paying and not self._end_to_end.slower(batch)
         if paying and _pays_back(catch_up, left, throughput[0], throughput[0] * expected):
             self._off_steps, self._off_seconds = 0, 0.0
             self._probe_interval = self._base_interval

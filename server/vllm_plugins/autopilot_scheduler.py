@@ -142,6 +142,7 @@ class AutopilotScheduler(Scheduler):
         self._measured_speedup: float | None = None
         self._verified_k = 0  # the K the step being run verifies (its predecessor's)
         self._verified_probe = False  # and whether that K was a probe's (or calibration's)
+        self._idled_for_lookups = False  # the step before the one being run idled the draft
         self._reporter = Reporter("scheduler", patching.report_socket())
         # Without the draft_idle patch the draft runs every step: nothing to catch up on.
         self._draft_idles = patching.enabled("draft_idle")
@@ -377,9 +378,11 @@ class AutopilotScheduler(Scheduler):
                 self._lookups.not_compared(step.batch_size)
             else:
                 self._lookups.end_to_end(step.batch_size, duration, generated, verified_total > 0)
-        # What the controller measures is the draft's doing; a lookup step's is not.
+        # What the controller measures is the draft's doing: neither a lookup step nor the
+        # draft catching up after lookups idled it (the lookups' pricing pays for that).
         looked_up = self._lookups is not None and self._lookups.in_step()
-        if self._mode == "auto" and self._cost.ready and not looked_up:
+        lookups_catch_up = self._idled_for_lookups and step.caught_up_tokens > 0
+        if self._mode == "auto" and self._cost.ready and not (looked_up or lookups_catch_up):
             plain = decision.k == 0 and verified_total == 0
             probe_related = decision.probing or (verified_total > 0 and self._verified_probe)
             if plain or not probe_related:
@@ -398,6 +401,7 @@ class AutopilotScheduler(Scheduler):
                 self._controller.realised(decision.predicted_speedup, speedup, step.batch_size)
         self._verified_k = decision.k  # what the next step verifies
         self._verified_probe = decision.probing
+        self._idled_for_lookups = decision.reason is IdleReason.LOOKUP
         if self._trace is not None:
             self._write_trace(self._trace, step, generated, decision)
         return step

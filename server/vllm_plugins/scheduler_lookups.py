@@ -127,8 +127,7 @@ class SchedulerLookups:
         previous = self._step  # what the last step verified of lookups, by request
         # Each lookup, its length, and whether it wins with the draft idle and beside it.
         candidates: list[tuple[Any, Proposal, int, bool, bool]] = []
-        measured = self._veto.speedup(batch) if self._veto is not None else None
-        if measured is not None and measured < 1.0:
+        if self._veto is not None and self._veto.slower(batch):
             requests = []
         for request in requests:
             request_id = request.request_id

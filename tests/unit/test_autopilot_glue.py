@@ -367,6 +367,7 @@ def _observing_scheduler(mode: str) -> Any:
     scheduler._measured_speedup = None
     scheduler._verified_k = 0
     scheduler._verified_probe = False
+    scheduler._idled_for_lookups = False
     scheduler._trace = None
     scheduler._lookups = None
     scheduler._draft_verified = Verified()
@@ -374,10 +375,17 @@ def _observing_scheduler(mode: str) -> Any:
 
 
 def _step(
-    scheduler: Any, k: int, *, probing: bool = False, prefill: int = 0, caught_up: int = 0
+    scheduler: Any,
+    k: int,
+    *,
+    probing: bool = False,
+    prefill: int = 0,
+    caught_up: int = 0,
+    reason: IdleReason = IdleReason.NOT_PAYING,
 ) -> None:
     """One 0.5 s step of request "r" proposing k, verifying what the step before proposed
-    (all accepted, so 1 + drafts tokens come out), with a prompt chunk of `prefill` tokens."""
+    (all accepted, so 1 + drafts tokens come out), with a prompt chunk of `prefill` tokens;
+    `reason` is a K = 0 step's."""
     drafts = scheduler._verified_k
     scheduler._caught_up = caught_up
     output = SimpleNamespace(
@@ -386,7 +394,7 @@ def _step(
     )
     runner = SimpleNamespace(sampled_token_ids=[[7] * (1 + drafts)], req_id_to_index={"r": 0})
     decision = autopilot_scheduler.Decision(
-        k=k, reason=None if k else IdleReason.NOT_PAYING, predicted_speedup=1.5, probing=probing
+        k=k, reason=None if k else reason, predicted_speedup=1.5, probing=probing
     )
     scheduler._observe(output, runner, 0.5, decision)
 
@@ -438,6 +446,20 @@ def test_end_to_end_counts_every_step_but_probes_and_what_verifies_them() -> Non
         (0.5, 3, 0, True),
         (0.5, 1, 0, False),
     ]
+
+
+def test_the_draft_catching_up_after_lookups_idled_it_is_not_the_draft_s_measure() -> None:
+    """A run of lookups idles the draft; when it ends, the draft catches up on what it missed.
+    The lookups' pricing pays for that step: counted as the draft's, one request's runs of
+    lookups read as the draft losing (0.73 at one request after code edits)."""
+    scheduler = _observing_scheduler("auto")
+    calls = scheduler._controller.end_to_end_calls
+    _step(scheduler, 0, reason=IdleReason.LOOKUP)  # plain to the controller (no lookup here)
+    _step(scheduler, 2, caught_up=5)  # the lookups' run ended: the draft catches up
+    _step(scheduler, 2)
+    _step(scheduler, 0)
+    _step(scheduler, 2, caught_up=3)  # catching up after its own idle step: its measure
+    assert calls == [(0.5, 1, 0, False), (0.5, 3, 0, True), (0.5, 3, 0, True), (0.5, 1, 0, True)]
 
 
 def test_a_request_is_prefilling_while_its_step_starts_inside_its_prompt() -> None:
@@ -604,7 +626,7 @@ def test_auto_mode_feeds_the_lookup_veto_only_steps_without_draft_work() -> None
         runner = SimpleNamespace(sampled_token_ids=[[7] * (1 + drafts)], req_id_to_index={"r": 0})
         scheduler._observe(output, runner, seconds, decision)
 
-    for _ in range(5):
+    for _ in range(10):  # 8 lookup steps at least, decayed, before a veto
         step(0, idle, looked_up=False, seconds=0.1)  # plain: 10 tok/s
         step(4, idle, looked_up=True, seconds=1.0)  # lookups: 5 tok/s
         step(4, autopilot_scheduler.Decision(k=2), looked_up=False, seconds=9.0)  # drafts

@@ -881,9 +881,9 @@ def run_end_to_end(sim: Sim, steps: int, hidden: float = 1.0) -> list[Decision]:
 def test_a_batch_size_measured_slower_end_to_end_stops_there_and_retries_rarely() -> None:
     """The model says four code requests gain ~1.5x; their speculating steps truly take 1.5x
     what it sees (~0.9x of K = 0 end to end). After five speculating steps, plain ones are
-    measured to compare with, speculation stops once the comparison is made, and is retried in
-    under 2% of the steps after; a lone request, whose steps take what the model sees, goes on
-    speculating."""
+    measured to compare with, speculation stops once the comparison is confident (eight
+    speculating steps at least), and is retried in under 2% of the steps after; a lone
+    request, whose steps take what the model sees, goes on speculating."""
     sim = Sim(CHEAP_VERIFY)
     sim.calibrate(0.9)
     sim.set_requests({f"r{i}": 0.9 for i in range(4)})
@@ -892,7 +892,7 @@ def test_a_batch_size_measured_slower_end_to_end_stops_there_and_retries_rarely(
     # The sixth K = 0 step is plain (the first verifies the last drafts): five plain steps.
     assert [i for i, d in enumerate(first) if d.reason == "calibrating"] == list(range(5, 11))
     stopped = next(i for i, d in enumerate(first) if i > 10 and d.k == 0)
-    assert stopped <= 13
+    assert stopped <= 18
     speedup = sim.controller.end_to_end_speedup(4)
     assert speedup is not None and speedup < 0.95
     later = run_end_to_end(sim, 1000, hidden=1.5)
