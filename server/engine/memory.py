@@ -7,7 +7,8 @@ page cache left out) for this process and every process under it (vLLM's EngineC
 workers). The parts are what the engine was asked to hold: each model's weights as served
 (read from its safetensors headers: integer tensors as stored, floating ones in the dtype
 served) and the KV cache. The rest is the runtime (Python, torch and vLLM in each process,
-the tokenizers, the allocator) and any copy of a weight the engine keeps beside it.
+the tokenizers, the allocator) and any copy of a weight the engine keeps beside it. Beside
+those, the lookups' suffix trees (hybrid speculation) are planned for at their bound.
 """
 
 import ctypes
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+
+from server.autopilot.suffix_tree import BYTES_PER_TOKEN
 
 GB = 10**9
 GIB = 2**30
@@ -54,6 +57,12 @@ def weights_as_served(folder: Path, dtype: str, int8_head: bool = False) -> int:
             size = SERVED_BYTES[dtype] if stored in FLOATING else STORED_BYTES[stored]
             total += size * math.prod(tensor["shape"])
     return total
+
+
+def lookup_trees_bound(index_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
+    """The most bytes the lookups' suffix trees hold: the tenants' reply trees (`index_tokens`)
+    and one tree per running request, which holds at most its whole context."""
+    return (index_tokens + max_num_seqs * max_model_len) * BYTES_PER_TOKEN
 
 
 def private_bytes(pid: int) -> int:
@@ -104,6 +113,7 @@ class MemoryReport:
     processes: dict[str, int]  # private bytes by process
     weights: dict[str, int]  # bytes as served by model ("target", "draft")
     kv_cache: int
+    lookup_trees: int  # the most the lookups' trees may come to hold (0: no lookups)
 
     @property
     def total(self) -> int:
@@ -120,11 +130,12 @@ class MemoryReport:
 
         processes = ", ".join(f"{name} {gb(held)}" for name, held in self.processes.items())
         weights = ", ".join(f"{name} {gb(held)}" for name, held in self.weights.items())
+        trees = f"; lookup trees up to {gb(self.lookup_trees)} more" if self.lookup_trees else ""
         return (
             f"memory: {gb(self.total)} GB held ({processes}) for {gb(self.planned)} GB planned "
             f"(weights as served: {weights}; KV cache {gb(self.kv_cache)}): "
             f"{self.total / self.planned:.2f}x; the rest ({gb(self.total - self.planned)} GB) "
-            "is the runtime of each process and copies of weights"
+            f"is the runtime of each process and copies of weights{trees}"
         )
 
     def as_dict(self) -> dict[str, object]:
@@ -133,11 +144,12 @@ class MemoryReport:
             "processes_bytes": self.processes,
             "weights_bytes": self.weights,
             "kv_cache_bytes": self.kv_cache,
+            "lookup_trees_bound_bytes": self.lookup_trees,
             "held_over_planned": round(self.total / self.planned, 3),
         }
 
 
-def kv_cache_room_gib(available: int, weights: int) -> int:
-    """Whole GiB of KV cache a host with `available` bytes free can hold beside `weights`
-    bytes of weights and the engine processes' runtime."""
-    return max(0, (available - weights - ENGINE_RUNTIME_BYTES) // GIB)
+def kv_cache_room_gib(available: int, beside: int) -> int:
+    """Whole GiB of KV cache a host with `available` bytes free can hold beside `beside` bytes
+    (weights, lookup trees) and the engine processes' runtime."""
+    return max(0, (available - beside - ENGINE_RUNTIME_BYTES) // GIB)

@@ -38,7 +38,13 @@ from server.engine.hardware import (
     choose_dtype,
     choose_target_quantization,
 )
-from server.engine.memory import ENGINE_RUNTIME_BYTES, GB, kv_cache_room_gib, weights_as_served
+from server.engine.memory import (
+    ENGINE_RUNTIME_BYTES,
+    GB,
+    kv_cache_room_gib,
+    lookup_trees_bound,
+    weights_as_served,
+)
 from server.engine.runtime import gpu_count, has_gpu
 from server.engine.tool_calls import parser_class
 from server.engine.vllm_engine import EngineConfig
@@ -64,28 +70,33 @@ def _check_kv_cache(settings: Settings, models: list[str]) -> None:
     kv_cache_gib_for(settings.kv_cache_gib, models, dtype, settings.max_model_len)
 
 
-def _fit_to_host(settings: Settings, models: list[str]) -> tuple[int | None, int | None]:
+def _fit_to_host(
+    settings: Settings, models: list[str], method: str | None
+) -> tuple[int | None, int | None]:
     """The KV cache size and context length, made to fit what this host has free beside the
-    weights as served and the engine's runtime (vLLM's own measure of free memory: free and
-    reclaimable pages, within a cgroup's limit), with one line saying so; a host that
-    cannot hold the weights is refused in one line, and so is a --kv-cache-gib too small for
-    one sequence (kv_cache_gib_for)."""
+    weights as served, the lookups' trees at their bound (hybrid `method`) and the engine's
+    runtime (vLLM's own measure of free memory: free and reclaimable pages, within a cgroup's
+    limit), with one line saying so; a host that cannot hold the weights is refused in one
+    line, and so is a --kv-cache-gib too small for one sequence (kv_cache_gib_for)."""
     from vllm.utils.cpu_resource_utils import get_memory_node_info
 
     dtype = choose_dtype(settings.dtype, on_gpu=False).dtype
     asked = kv_cache_gib_for(settings.kv_cache_gib, models, dtype, settings.max_model_len)
     weights = sum(weights_as_served(Path(model), dtype) for model in models)
+    context = settings.max_model_len or model_context_length(models[0]) or 0
+    trees = 0
+    if method == "hybrid":
+        trees = lookup_trees_bound(settings.lookup_index_tokens, settings.max_num_seqs, context)
     available = get_memory_node_info().available_memory
-    room = kv_cache_room_gib(available, weights)
+    room = kv_cache_room_gib(available, weights + trees)
     if room >= asked:
         return settings.kv_cache_gib, settings.max_model_len
     what = (
         f"this host has {available / GB:.1f} GB free; the weights as served take "
-        f"{weights / GB:.1f} GB and the server's processes about {ENGINE_RUNTIME_BYTES / GB:.1f} "
-        "GB more"
+        f"{weights / GB:.1f} GB, the lookups' trees up to {trees / GB:.1f} GB and the server's "
+        f"processes about {ENGINE_RUNTIME_BYTES / GB:.1f} GB more"
     )
     shapes = [shape for shape in map(model_kv_shape, models) if shape is not None]
-    context = settings.max_model_len or model_context_length(models[0]) or 0
     longest = longest_context_fitting(room, shapes, DTYPE_BYTES[dtype])
     if longest < min(context, MIN_CONTEXT_TOKENS) or (
         settings.max_model_len is not None and longest < context
@@ -199,7 +210,7 @@ def resolve(settings: Settings) -> EngineConfig:
         check_max_model_len(target, settings.max_model_len)
         models = [target] if draft is None else [target, draft]
         if not has_gpu() and all(_is_local(model) for model in models):
-            kv_cache_gib, max_model_len = _fit_to_host(settings, models)
+            kv_cache_gib, max_model_len = _fit_to_host(settings, models, method)
         else:
             _check_kv_cache(settings, models)
     speculation_mode, speculation_max_batch_size = _speculation_policy(settings)

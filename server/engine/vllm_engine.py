@@ -36,6 +36,7 @@ from server.engine.contract import (
 from server.engine.hardware import choose_dtype
 from server.engine.memory import (
     MemoryReport,
+    lookup_trees_bound,
     release_free_heap,
     server_processes,
     weights_as_served,
@@ -139,7 +140,7 @@ class VllmEngine:
         self._tool_parser_class: Any = None
         self._patches: list[str] = []
         # On a CPU: each model's weights as served and the KV cache, in bytes (memory.py).
-        self._planned: tuple[dict[str, int], int] | None = None
+        self._planned: tuple[dict[str, int], int, int] | None = None
         # Why the features that need an engine patch are off, for their refusals.
         self._patches_off = "specserve's engine patches are off (see the startup log)"
 
@@ -245,8 +246,9 @@ class VllmEngine:
         """Whether the target's head is served in int8 (the patch that quantizes it is on)."""
         return self._config.int8_head and "cpu_embedding_memory" in self._patches
 
-    def _planned_memory(self, dtype: str) -> tuple[dict[str, int], int] | None:
-        """Each local model's weights as served in `dtype`, and the KV cache size, in bytes."""
+    def _planned_memory(self, dtype: str) -> tuple[dict[str, int], int, int] | None:
+        """Each local model's weights as served in `dtype`, the KV cache size and the lookups'
+        trees at their bound (0 without lookups), in bytes."""
         folders = [Path(model) for model in kv_models(self._config)]
         if not all(folder.is_dir() for folder in folders):
             return None
@@ -254,14 +256,21 @@ class VllmEngine:
             role: weights_as_served(folder, dtype, int8_head=self._int8_head and role == "target")
             for role, folder in zip(("target", "draft"), folders, strict=False)
         }
-        return weights, int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30
+        config = self._config
+        trees = 0
+        if config.speculative_method == "hybrid" and "lookup" in self._patches:
+            max_model_len = self.info().max_model_len
+            trees = lookup_trees_bound(
+                config.lookup_index_tokens, config.max_num_seqs, max_model_len
+            )
+        return weights, int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30, trees
 
     def _memory_report(self) -> MemoryReport | None:
         """What the server's processes hold now against what was planned (CPU, local models)."""
         if self._planned is None:
             return None
-        weights, kv_cache = self._planned
-        return MemoryReport(server_processes(), weights, kv_cache)
+        weights, kv_cache, trees = self._planned
+        return MemoryReport(server_processes(), weights, kv_cache, trees)
 
     def memory(self) -> dict[str, Any] | None:
         report = self._memory_report()

@@ -8,6 +8,7 @@ import psutil
 import pytest
 from safetensors import safe_open
 
+from server.autopilot.suffix_tree import BYTES_PER_TOKEN
 from tests.integration.conftest import TinyModels, serving
 
 pytestmark = pytest.mark.integration
@@ -25,6 +26,7 @@ def _checkpoint_bytes(folder: Path) -> int:
 def test_the_report_adds_up_to_what_the_os_reports(tiny: TinyModels, tmp_path: Path) -> None:
     # Unquantized, so the weights served are the checkpoints themselves.
     flags = ("--quantization", "none", "--draft-quantization", "none")
+    flags += ("--max-num-seqs", "4", "--lookup-index-tokens", "1000")
     with serving(tiny, tmp_path, *flags) as server:
         memory = httpx.get(f"{server.base_url}/health").json()["details"]["memory"]
         root = psutil.Process(server.popen.pid)
@@ -45,6 +47,9 @@ def test_the_report_adds_up_to_what_the_os_reports(tiny: TinyModels, tmp_path: P
     planned = sum(memory["weights_bytes"].values()) + memory["kv_cache_bytes"]
     assert memory["held_over_planned"] == round(memory["held_bytes"] / planned, 3)
     assert "memory: " in log and " GB planned (weights as served: target " in log
+    # Hybrid: the reply trees and four requests' trees of the whole 2048-token context.
+    assert memory["lookup_trees_bound_bytes"] == (1000 + 4 * 2048) * BYTES_PER_TOKEN
+    assert "; lookup trees up to 0.00 more" in log
 
 
 def test_a_kv_cache_the_host_cannot_hold_is_made_to_fit(tiny: TinyModels, tmp_path: Path) -> None:

@@ -3,11 +3,20 @@ sequences, proposals against a brute-force reference of the same rule, tenant is
 reply trees' bound, and resynchronisation after an edit."""
 
 import random
+import re
+import tracemalloc
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
-from server.autopilot.suffix_tree import Proposal, ReplyTrees, SuffixProposer, SuffixTree
+from server.autopilot.suffix_tree import (
+    BYTES_PER_TOKEN,
+    Proposal,
+    ReplyTrees,
+    SuffixProposer,
+    SuffixTree,
+)
 
 # A held sequence and the clock time of each of its tokens.
 Corpus = list[tuple[list[int], list[int]]]
@@ -387,3 +396,35 @@ def test_a_request_s_own_tree_starts_from_its_context_s_last_tokens() -> None:
     found = proposer.find("r", None, context, 8)
     assert found is not None and (found.tokens, found.match_length) == ([3, 10], 2)
     assert proposer._requests["r"].tree.newest == context[-10:]
+
+
+def _code_tokens(count: int) -> list[int]:
+    """Our own source as tokens: each word or symbol an id past the small ints Python shares,
+    repeating as code does."""
+    text = "".join(path.read_text() for path in sorted(Path("server").rglob("*.py")))
+    ids: dict[str, int] = {}
+    words = re.findall(r"\w+|\S", text)[:count]
+    return [ids.setdefault(word, 1000 + len(ids)) for word in words]
+
+
+@pytest.mark.parametrize("as_replies", [False, True])
+def test_a_tree_holds_at_most_its_planned_bytes_a_token(as_replies: bool) -> None:
+    """What the memory plan reserves for the lookups (server/engine/memory.py): a request's
+    tree grows a token at a time, replies come whole."""
+    tokens = _code_tokens(20_000)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        tree = SuffixTree(32)
+        if as_replies:
+            for start in range(0, len(tokens), 500):
+                tree.start()
+                tree.extend(tokens[start : start + 500])
+        else:
+            for token in tokens:
+                tree.extend([token])
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert tree.tokens == len(tokens) == 20_000
+    assert 100 * len(tokens) < held <= BYTES_PER_TOKEN * len(tokens)
