@@ -266,8 +266,11 @@ class AutopilotScheduler(Scheduler):
             self._calibration_steps[batch] += 1
             k = self._calibration_cycle[step % len(self._calibration_cycle)]
             return Decision(k=k, reason=None if k else IdleReason.CALIBRATING, probing=True)
-        if self._lookups is not None and self._lookups.serve_all(request_ids):
-            # Every request verifies a lookup, expected to continue next step: no draft needed.
+        if self._lookups is not None and (
+            self._lookups.serve_all(request_ids) or self._lookups.hold_draft(request_ids)
+        ):
+            # Every request verifies a lookup, expected to continue next step, or just ended a
+            # run of them: no draft needed this step.
             return Decision(k=0, reason=IdleReason.LOOKUP)
         if self._mode == "fixed":
             if self._max_batch is not None and len(request_ids) > self._max_batch:

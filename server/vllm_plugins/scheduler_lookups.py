@@ -107,6 +107,7 @@ class SchedulerLookups:
         self._proposed: dict[str, Proposal] = {}  # this step's lookups, before vLLM schedules
         self._step: dict[str, Proposal] = {}  # request id -> the lookup it verifies this step
         self._idles_draft = False  # this step's lookups were priced with the draft idle
+        self._ended: set[str] = set()  # requests whose run of lookups ended this step
         self._by_origin = {"prompt": Verified(), "replies": Verified()}
         self._by_request: dict[str, Verified] = {}  # each running sequence's lookups
         # Front-end request id -> its finished sequences' counts, while a sibling runs.
@@ -127,6 +128,7 @@ class SchedulerLookups:
         previous = self._step  # what the last step verified of lookups, by request
         # Each lookup, its length, and whether it wins with the draft idle and beside it.
         candidates: list[tuple[Any, Proposal, int, bool, bool]] = []
+        ended: set[str] = set()
         if self._veto is not None and self._veto.slower(batch):
             requests = []
         for request in requests:
@@ -149,6 +151,8 @@ class SchedulerLookups:
             before = previous.get(request_id)
             if before is not None and not request.spec_token_ids:  # the draft idled
                 self._pricing.observe_run(before, ended=length == 0)
+                if length == 0:
+                    ended.add(request_id)
             if proposal is None or length == 0:
                 continue
             idle, beside = self._wins(request, proposal, length, batch)
@@ -166,6 +170,7 @@ class SchedulerLookups:
         self._rounds += 1
         self._proposed = chosen
         self._idles_draft = idles
+        self._ended = ended
         return chosen
 
     def scheduled(self, spec_decode_tokens: Mapping[str, list[int]]) -> None:
@@ -181,6 +186,14 @@ class SchedulerLookups:
         """Whether the draft idles this step: every request of it verifies a lookup priced
         with the draft idle."""
         return self._idles_draft and bool(self._step) and all(r in self._step for r in request_ids)
+
+    def hold_draft(self, request_ids: list[str]) -> bool:
+        """Whether the draft stays idle for one plain step although no request verifies a
+        lookup: every request of the step ended a run of lookups, with the draft idle, in the
+        step before. Restarting the draft costs a step that only proposes (nothing of the
+        draft's is there to verify) and its proposals then compete with the lookups, which
+        often resume one token later (after an edit)."""
+        return bool(request_ids) and all(r in self._ended for r in request_ids)
 
     def observe(self, request_id: str, verified: int, accepted: int) -> bool:
         """A verify step of one request; False where its proposal was the draft's."""

@@ -715,3 +715,31 @@ def test_the_end_of_a_run_is_measured_where_the_draft_idled() -> None:
     lookups.scheduled({"s": again.tokens})
     _propose(lookups, [_request("s", changed, spec_token_ids=[1, 2])])
     assert lookups._pricing.run_ends(proposal) == ended
+
+
+def test_where_every_request_s_run_of_lookups_ended_the_draft_idles_one_plain_step() -> None:
+    """After an edit the lookups often resume one token later: a plain step lets them, where
+    restarting the draft would cost a step that only proposes."""
+    scheduler = _capped_scheduler({"r": None, "s": None})
+    scheduler._mode = "auto"
+    for request in scheduler.requests.values():
+        request.sampling_params.logit_bias = None
+    lookups = _lookups()
+    scheduler._lookups = lookups
+    (proposal,) = _propose(lookups, [_request("r", COPY)]).values()
+    lookups.scheduled({"r": proposal.tokens})
+    changed = [*COPY, *range(120, 128), 999]  # nothing to look up after the edit
+    assert _propose(lookups, [_request("r", changed)]) == {}
+    lookups.scheduled({})
+    assert lookups.hold_draft(["r"])
+    assert not lookups.hold_draft(["r", "s"])  # s needs the draft: it runs
+    decision = scheduler._decide({"r": 1}, {"r": 0}, {})
+    assert (decision.k, decision.reason) == (0, IdleReason.LOOKUP)
+    # One step only: still nothing to look up after the plain step, the draft may restart.
+    assert _propose(lookups, [_request("r", [*changed, 5])]) == {}
+    assert not lookups.hold_draft(["r"])
+    # Where the draft ran beside the lookup, its proposal is there: nothing to hold.
+    (again,) = _propose(lookups, [_request("t", COPY)]).values()
+    lookups.scheduled({"t": again.tokens})
+    _propose(lookups, [_request("t", changed, spec_token_ids=[1, 2])])
+    assert not lookups.hold_draft(["t"])
