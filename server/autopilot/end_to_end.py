@@ -2,7 +2,7 @@
 (speculating, or verifying lookups) against plain steps, each side decayed. The one measure that
 sees everything the extra work costs: the controller (policy.py) stops speculation by it, the
 scheduler's lookups (server/vllm_plugins/scheduler_lookups.py) stop lookups by it, once it
-reads slower with confidence. Stdlib only.
+reads slower (the draft's with confidence, see CONFIDENT). Stdlib only.
 """
 
 import math
@@ -12,8 +12,9 @@ from server.autopilot.cost_model import MIN_STEP_SECONDS
 
 # How the sides forget (for lookups, "speculating" is the steps that verified lookups):
 # - The speculating side forgets at _SPECULATING_DECAY per step of its own (about the last 50)
-#   and at _VETO_RECOVERY per plain step: a batch size stopped after 16 steps retries after ~700
-#   plain steps (below _VETO_CONFIDENT_STEPS), and a retry of one step recurs every ~100. For
+#   and at _VETO_RECOVERY per plain step: the draft, stopped after 16 steps, retries after ~700
+#   plain steps (below CONFIDENT's 8), and a retry of one step recurs every ~100; lookups,
+#   stopped after 8 steps, retry after ~700 (below ON_THE_MEAN's 4), then every ~220. For
 #   lookups it also forgets at _VETO_RECOVERY per step of neither side (one with draft work):
 #   where they stopped, the draft runs instead and plain steps are few, so the retry would
 #   otherwise never come.
@@ -25,15 +26,21 @@ _PLAIN_DECAY = 0.99
 _PLAIN_STALENESS = 0.999
 _VETO_MIN_STEPS = 4.0
 _VETO_RECOVERY = 0.001
-# Extra work stops where its tokens/s read slower than plain steps' by more than this many
-# standard errors (one-sided 95%), over at least _VETO_CONFIDENT_STEPS of its own steps. Steps
-# that speculate vary widely (one token to K + 1), so a few early steps, one of them the draft
-# catching up on a prompt, can read slower by chance: stopping on the mean after 4 steps
-# stopped a draft that truly gained 1.2x in 40% of simulated runs (1.5x: 9%). With the
-# confidence: 2% (0%), and a true loss is still found, the larger the sooner (10 steps for
-# 0.8x, 30 for 0.9x; tests/unit/test_end_to_end.py).
-_VETO_STANDARD_ERRORS = 1.645
-_VETO_CONFIDENT_STEPS = 8.0
+# How sure the measure must be before extra work stops there: (standard errors by which its
+# tokens/s must read slower than plain steps', steps of its own at least).
+# - The draft's (CONFIDENT): one-sided 95%, over 8 steps. Steps that speculate vary widely (one
+#   token to K + 1), so a few early steps, one of them the draft catching up on a prompt, can
+#   read slower by chance: stopping on the mean after 4 steps stopped a draft that truly
+#   gained 1.2x in 40% of simulated runs (1.5x: 9%); with the confidence 2% (0%), and a true
+#   loss is still found, the larger the sooner (10 steps for 0.8x, 30 for 0.9x;
+#   tests/unit/test_end_to_end.py).
+# - The lookups' (ON_THE_MEAN): slower on the mean, over 4 steps. Where they pay (copies) they
+#   make several times a plain step's tokens/s, never near the line; where they are near it,
+#   stopping late costs: replayed over one run's prose at four requests, where lookup steps
+#   made 0.84x of plain steps' tokens/s, the confident rule stopped them after 127 lookup
+#   steps, on the mean after 55 (docs/benchmarks.md).
+CONFIDENT = (1.645, 8.0)
+ON_THE_MEAN = (0.0, _VETO_MIN_STEPS)
 
 
 @dataclass
@@ -86,8 +93,9 @@ class _Side:
 class EndToEnd:
     """Per batch size, the decayed trying and plain sides, and their ratio."""
 
-    def __init__(self) -> None:
+    def __init__(self, confidence: tuple[float, float]) -> None:
         self._sides: dict[int, tuple[_Side, _Side]] = {}  # batch size -> (trying, plain)
+        self._standard_errors, self._confident_steps = confidence  # CONFIDENT or ON_THE_MEAN
 
     def observe(self, batch: int, tokens: int, seconds: float, trying: bool) -> None:
         trying_side, plain_side = self._sides.setdefault(batch, (_Side(), _Side()))
@@ -118,17 +126,18 @@ class EndToEnd:
         return trying.rate / plain.rate
 
     def slower(self, batch: int) -> bool:
-        """Extra work measured slower than plain steps at this batch size, with confidence."""
+        """Extra work measured slower than plain steps at this batch size, as sure as this
+        measure's confidence asks."""
         speedup = self.speedup(batch)
         if speedup is None:
             return False
         trying, plain = self._sides[batch]
-        if trying.steps < _VETO_CONFIDENT_STEPS:
+        if trying.steps < self._confident_steps:
             return False
         if speedup == 0.0:
             return True
         error = math.sqrt(trying.relative_variance() + plain.relative_variance())
-        return math.log(speedup) + _VETO_STANDARD_ERRORS * error < 0.0
+        return math.log(speedup) + self._standard_errors * error < 0.0
 
     @property
     def speedups(self) -> dict[int, float]:

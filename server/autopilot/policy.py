@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from server.autopilot.acceptance import AcceptanceTracker, capped_tokens, tokens_by_k
 from server.autopilot.cost_model import MIN_STEP_SECONDS, SHAPE_SAMPLES, CostModel
-from server.autopilot.end_to_end import EndToEnd
+from server.autopilot.end_to_end import CONFIDENT, EndToEnd
 from server.autopilot.idle import IdleReason
 
 # Weight of each request of a steady speculating step in the realised fraction of predicted
@@ -146,7 +146,8 @@ class Controller:
         self._off_seconds = 0.0  # their predicted time
         # batch size -> measured over predicted speedup of its steady speculating steps
         self._realised: dict[int, float] = {}
-        self._end_to_end = EndToEnd()  # speculating against plain steps, see end_to_end()
+        # Speculating against plain steps, see end_to_end().
+        self._end_to_end = EndToEnd(CONFIDENT)
         self._prefill_seconds_per_token: float | None = None  # the target's, at K = 0
         self._recent_batches: deque[int] = deque(maxlen=_PREFILL_LOOKBACK_STEPS)
 

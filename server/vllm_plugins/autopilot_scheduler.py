@@ -45,7 +45,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from server.autopilot.acceptance import AcceptanceTracker, expected_tokens_per_step
 from server.autopilot.cost_model import CostModel, StepRecord
-from server.autopilot.end_to_end import EndToEnd
+from server.autopilot.end_to_end import ON_THE_MEAN, EndToEnd
 from server.autopilot.idle import IdleReason
 from server.autopilot.policy import Controller, Decision, RequestState
 from server.autopilot.reports import SchedulerReport, Verified
@@ -127,7 +127,7 @@ class AutopilotScheduler(Scheduler):
                 lookup["index_tokens"],
                 self._cost,
                 self._acceptance,
-                EndToEnd() if self._mode == "auto" else None,
+                EndToEnd(ON_THE_MEAN) if self._mode == "auto" else None,
             )
             if lookup is not None
             else None

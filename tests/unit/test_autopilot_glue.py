@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from server.autopilot.acceptance import AcceptanceTracker
-from server.autopilot.end_to_end import EndToEnd
+from server.autopilot.end_to_end import ON_THE_MEAN, EndToEnd
 from server.autopilot.idle import IdleReason
 from server.autopilot.reports import MAX_REPORT_BYTES, Verified
 from server.autopilot.suffix_tree import Proposal
@@ -610,7 +610,7 @@ def test_lookup_steps_teach_the_lookup_and_not_the_draft_s_controller() -> None:
 
 def test_auto_mode_feeds_the_lookup_veto_only_steps_without_draft_work() -> None:
     scheduler = _observing_scheduler("auto")
-    veto = EndToEnd()
+    veto = EndToEnd(ON_THE_MEAN)
     cost: Any = SimpleNamespace(ready=False)
     lookups = SchedulerLookups(8, 0, cost, AcceptanceTracker(4), veto)
     scheduler._lookups = lookups
@@ -626,7 +626,7 @@ def test_auto_mode_feeds_the_lookup_veto_only_steps_without_draft_work() -> None
         runner = SimpleNamespace(sampled_token_ids=[[7] * (1 + drafts)], req_id_to_index={"r": 0})
         scheduler._observe(output, runner, seconds, decision)
 
-    for _ in range(10):  # 8 lookup steps at least, decayed, before a veto
+    for _ in range(5):
         step(0, idle, looked_up=False, seconds=0.1)  # plain: 10 tok/s
         step(4, idle, looked_up=True, seconds=1.0)  # lookups: 5 tok/s
         step(4, autopilot_scheduler.Decision(k=2), looked_up=False, seconds=9.0)  # drafts

@@ -12,7 +12,7 @@ import pytest
 
 from server.autopilot.acceptance import AcceptanceTracker, expected_tokens_per_step
 from server.autopilot.cost_model import CostModel, StepRecord
-from server.autopilot.end_to_end import EndToEnd
+from server.autopilot.end_to_end import ON_THE_MEAN, EndToEnd
 from server.autopilot.policy import Controller, Decision, RequestState
 
 
@@ -976,7 +976,7 @@ def test_spread_says_how_far_apart_repeated_steps_of_each_shape_measured() -> No
 
 
 def test_end_to_end_measures_lookups_slower_until_plain_steps_fade_it() -> None:
-    veto = EndToEnd()
+    veto = EndToEnd(ON_THE_MEAN)
     assert veto.speedup(8) is None
     for _ in range(10):
         veto.observe(8, tokens=8, seconds=0.1, trying=False)  # 80 tok/s plain
@@ -991,7 +991,7 @@ def test_end_to_end_measures_lookups_slower_until_plain_steps_fade_it() -> None:
 
 
 def test_end_to_end_measures_lookups_that_pay() -> None:
-    veto = EndToEnd()
+    veto = EndToEnd(ON_THE_MEAN)
     for _ in range(10):
         veto.observe(1, tokens=1, seconds=0.06, trying=False)
         veto.observe(1, tokens=5, seconds=0.08, trying=True)

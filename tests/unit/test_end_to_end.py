@@ -1,11 +1,12 @@
-"""The end-to-end veto (server/autopilot/end_to_end.py): speculation stops where it measured
-slower with confidence, not where a few varied steps read slower by chance."""
+"""The end-to-end veto (server/autopilot/end_to_end.py): the draft stops where it measured
+slower with confidence, not where a few varied steps read slower by chance; lookups stop on the
+mean."""
 
 import random
 
 import pytest
 
-from server.autopilot.end_to_end import EndToEnd
+from server.autopilot.end_to_end import CONFIDENT, ON_THE_MEAN, EndToEnd
 
 PLAIN_SECONDS = 0.048  # a plain step of one request: one token
 ACCEPTANCE = 0.8
@@ -27,7 +28,7 @@ def _stopped_after(speedup: float, seed: int) -> int | None:
     """Speculating steps at one request until the veto stops them (None: not in STEPS), where
     speculation truly runs `speedup` times plain steps' tokens/s; step times vary 10%."""
     rng = random.Random(seed)
-    veto = EndToEnd()
+    veto = EndToEnd(CONFIDENT)
     for _ in range(5):
         veto.observe(1, 1, PLAIN_SECONDS * rng.uniform(0.97, 1.03), trying=False)
     mean_tokens = sum(ACCEPTANCE**i for i in range(K + 1))
@@ -59,7 +60,7 @@ def test_a_losing_draft_is_stopped_the_sooner_the_more_it_loses(
 
 
 def test_steps_that_all_lose_the_same_are_stopped_at_the_confident_minimum() -> None:
-    veto = EndToEnd()
+    veto = EndToEnd(CONFIDENT)
     for _ in range(5):
         veto.observe(1, 1, 0.1, trying=False)  # 10 tok/s
     for _ in range(9):  # eight steps, decayed, take nine
@@ -70,8 +71,20 @@ def test_steps_that_all_lose_the_same_are_stopped_at_the_confident_minimum() -> 
 
 
 def test_nothing_is_stopped_without_plain_steps_to_compare() -> None:
-    veto = EndToEnd()
+    veto = EndToEnd(CONFIDENT)
     for _ in range(20):
         veto.observe(1, 1, 1.0, trying=True)
     assert not veto.slower(1)
     assert veto.speedup(1) is None
+
+
+def test_lookups_stop_on_the_mean_after_four_steps() -> None:
+    """Four steps, decayed, take five; the draft's measure is not sure of them yet."""
+    lookups, draft = EndToEnd(ON_THE_MEAN), EndToEnd(CONFIDENT)
+    for step in range(5):
+        for veto in (lookups, draft):
+            assert not veto.slower(1)
+            veto.observe(1, 1, 0.1, trying=False)
+            veto.observe(1, 2 + step % 2, 0.27, trying=True)  # ~0.9x of plain steps' tokens/s
+    assert lookups.slower(1)
+    assert not draft.slower(1)
