@@ -5,8 +5,10 @@ step after a fully accepted one (how fast a request resynchronises after the tex
     python scripts/speculation_trace.py TRACE [--skip N]
 
 Kinds of step, by what the step verified and ran: `prefill` (it prefilled prompt tokens),
-`off` (every request in it asked for no drafts: `speculation.max_draft_tokens: 0`, the K=0 side
-of a benchmark run on one server), `lookup` (it verified looked-up tokens), `draft` (it verified
+`off` (the draft idled because every request in it asked for no drafts,
+`speculation.max_draft_tokens: 0`, where the autopilot would have drafted: part of the K=0 side
+of a benchmark run on one server; the rest of it, where the autopilot idled the draft anyway,
+is `plain`), `lookup` (it verified looked-up tokens), `draft` (it verified
 the draft's proposals or the draft proposed at its end), `plain` (neither). `+catch-up` marks
 steps where the draft caught up on tokens it had not seen. A step "after" another is the next
 step of the trace, so the figures after a rejection are meaningful with one request at a time.
@@ -45,7 +47,7 @@ class Tally:
 def kind(step: dict[str, Any]) -> str:
     if step["prefill_tokens"]:
         name = "prefill"
-    elif step["caps"] and max(step["caps"]) == 0:
+    elif step["reason"] == "requested_off":
         name = "off"
     elif step["lookups"]:
         name = "lookup"

@@ -10,7 +10,7 @@ from pathlib import Path
 def _step(seconds: float, generated: int, **fields: object) -> dict[str, object]:
     step: dict[str, object] = {
         "seconds": seconds, "batch": 1, "verified": 0, "prefill_tokens": 0, "caught_up": 0,
-        "generated": generated, "k": 0, "caps": [], "lookups": 0,
+        "generated": generated, "k": 0, "reason": None, "lookups": 0,
     }  # fmt: skip
     step.update(fields)
     return step
@@ -22,8 +22,8 @@ STEPS = [
     _step(0.1, 2, verified=3, k=3),  # draft: the second rejected
     _step(0.05, 3, verified=4, lookups=1),  # lookup, after the rejection
     _step(0.09, 1, caught_up=6, k=3),  # the draft catches up
-    _step(0.04, 1, caps=[0]),  # a request that asked for no drafts
-    _step(0.04, 1),  # plain
+    _step(0.04, 1, reason="requested_off"),  # a request that asked for no drafts
+    _step(0.04, 1, reason="not_paying"),  # plain: the autopilot idled the draft
 ]
 
 
