@@ -44,8 +44,8 @@ def _stopped_after(speedup: float, seed: int) -> int | None:
 def test_a_gaining_draft_is_seldom_stopped_by_its_varied_steps(
     speedup: float, most_stopped: int
 ) -> None:
-    """Stopping on the mean after four steps stopped 9 of 100 runs gaining 1.5x, and 40
-    gaining 1.2x."""
+    """Stopping on the mean after four steps (the lookups' rule) stopped 11 of these 100 runs
+    gaining 1.5x, and 48 gaining 1.2x."""
     stopped = [_stopped_after(speedup, seed) for seed in range(RUNS)]
     assert sum(s is not None for s in stopped) <= most_stopped
 
