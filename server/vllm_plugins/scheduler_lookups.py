@@ -189,10 +189,11 @@ class SchedulerLookups:
 
     def hold_draft(self, request_ids: list[str]) -> bool:
         """Whether the draft stays idle for one plain step although no request verifies a
-        lookup: every request of the step ended a run of lookups, with the draft idle, in the
-        step before. Restarting the draft costs a step that only proposes (nothing of the
-        draft's is there to verify) and its proposals then compete with the lookups, which
-        often resume one token later (after an edit)."""
+        lookup: every request of the step verified a lookup with the draft idle in the step
+        before and has none worth verifying now (its run of lookups ended). Restarting the
+        draft costs a step that only proposes (nothing of the draft's is there to verify), and
+        its proposals then compete with the lookups, which often resume one token later (after
+        an edit)."""
         return bool(request_ids) and all(r in self._ended for r in request_ids)
 
     def observe(self, request_id: str, verified: int, accepted: int) -> bool:
