@@ -125,7 +125,7 @@ class AutopilotScheduler(Scheduler):
             SchedulerLookups(
                 min(lookup["max_tokens"], self.num_spec_tokens),
                 lookup["index_tokens"],
-                self._cost,
+                self._cost if self._mode == "auto" else None,
                 self._acceptance,
                 EndToEnd(ON_THE_MEAN) if self._mode == "auto" else None,
             )

@@ -13,8 +13,11 @@ the scheduler idles the draft; otherwise the draft runs for the step anyway, and
 replaces a request's draft proposal only where it is expected to give more tokens in that step.
 The scheduler keeps lookup steps out of what its controller measures of the draft, and feeds
 each finished reply into its tenant's tree. In auto mode lookups also
-answer to what they measured: at a batch size where steps verifying lookups made fewer tokens
-per second than plain steps, none are proposed until that evidence fades (end_to_end.py).
+answer to what they measured: they are priced at this machine's step and verify costs, and at
+a batch size where steps verifying lookups made fewer tokens per second than plain steps, none
+are proposed until that evidence fades (end_to_end.py). Fixed mode decides nothing from
+timings, as its K does not: a lookup there is verified whole where the trees expect more tokens
+of it than of the draft's proposal.
 Calibration requests, requests with logit_bias, requests that capped their drafts at 0 and
 requests that asked for none (`speculation.lookups: false`) get no lookups. An exception here
 turns lookups off for the rest of the process (`patching.contained`); the draft goes on alone.
@@ -92,7 +95,7 @@ class SchedulerLookups:
         self,
         max_tokens: int,
         index_tokens: int,
-        cost: CostModel,
+        cost: CostModel | None,
         acceptance: AcceptanceTracker,
         veto: EndToEnd | None,
     ) -> None:
@@ -102,7 +105,7 @@ class SchedulerLookups:
         self._proposer = SuffixProposer(index_tokens)
         self._pricing = TreePricing()
         self._veto = veto  # auto mode: no lookups at a batch size where they measured slower
-        self._cost = cost
+        self._cost = cost  # auto mode: the step and verify costs (None: fixed mode, no timings)
         self._acceptance = acceptance  # the draft's, which a lookup is weighed against
         self._proposed: dict[str, Proposal] = {}  # this step's lookups, before vLLM schedules
         self._step: dict[str, Proposal] = {}  # request id -> the lookup it verifies this step
@@ -255,7 +258,7 @@ class SchedulerLookups:
         lookup_tokens = self._pricing.expected_tokens(proposal, length)
         run_end = self._pricing.run_ends(proposal) * (draft_tokens - 1.0) if drafts else 0.0
         cost = self._cost
-        if not cost.ready:
+        if cost is None or not cost.ready:
             return lookup_tokens - run_end > draft_tokens, lookup_tokens > draft_tokens
         step = cost.predict(batch, drafts)
         verify = cost.verify_seconds_per_token()
@@ -265,9 +268,10 @@ class SchedulerLookups:
 
     def _verify_price(self, batch: int) -> float:
         """One more verified token's cost, in the output tokens a plain step of this batch
-        makes in that time (0 until the cost model is ready: verify what is found)."""
+        makes in that time (0 in fixed mode and until the cost model is ready: verify what is
+        found)."""
         cost = self._cost
-        if not cost.ready or batch == 0:
+        if cost is None or not cost.ready or batch == 0:
             return 0.0
         return cost.verify_seconds_per_token() * batch / cost.predict(batch, 0)
 

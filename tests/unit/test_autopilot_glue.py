@@ -700,6 +700,21 @@ def test_beside_a_request_that_needs_the_draft_a_lookup_must_give_more_tokens() 
     assert capped.spec_token_ids == [90, 91, 92, 93]
 
 
+def test_fixed_mode_verifies_lookups_whatever_the_timings() -> None:
+    """Timings as the tiny test models give them (a verified token dearer than a plain step):
+    the autopilot finds no lookup worth verifying; fixed mode, which decides nothing from
+    timings, verifies the whole copy."""
+    dear: Any = SimpleNamespace(
+        ready=True, predict=lambda batch, k: 0.0015 * batch, verify_seconds_per_token=lambda: 0.004
+    )
+    auto = SchedulerLookups(8, 1000, dear, AcceptanceTracker(4), None)
+    fixed = SchedulerLookups(8, 1000, None, AcceptanceTracker(4), None)
+    assert _propose(auto, [_request("r", COPY)]) == {}
+    request = _request("r", COPY)
+    assert set(_propose(fixed, [request])) == {"r"}
+    assert request.spec_token_ids == list(range(120, 128))
+
+
 def test_the_end_of_a_run_is_measured_where_the_draft_idled() -> None:
     lookups = _lookups()
     (proposal,) = _propose(lookups, [_request("r", COPY)]).values()
