@@ -100,9 +100,7 @@ async def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(
 
 
 def test_a_dead_engine_turns_health_503_and_exits_non_zero(serve_process: ServerProcess) -> None:
-    children = psutil.Process(serve_process.popen.pid).children(recursive=True)
-    engine_cores = [c for c in children if "EngineCore" in " ".join(c.cmdline()) + c.name()]
-    assert engine_cores, [(c.name(), c.cmdline()) for c in children]
+    engine_cores = _engine_cores(serve_process)
     killed = time.monotonic()
     for core in engine_cores:
         os.kill(core.pid, signal.SIGKILL)
@@ -182,7 +180,13 @@ def test_the_rank_runs_with_the_openmp_binding_vllm_gives_a_worker(
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("one core: a bound thread and an unbound one look alike")
-    children = psutil.Process(serve_process.popen.pid).children(recursive=True)
-    [engine_core] = [c for c in children if "EngineCore" in " ".join(c.cmdline()) + c.name()]
+    [engine_core] = _engine_cores(serve_process)
     bound = {tuple(sorted(os.sched_getaffinity(thread.id))) for thread in engine_core.threads()}
     assert all((core,) in bound for core in cores), bound
+
+
+def _engine_cores(serve_process: ServerProcess) -> list[psutil.Process]:
+    children = psutil.Process(serve_process.popen.pid).children(recursive=True)
+    engine_cores = [c for c in children if "EngineCore" in " ".join(c.cmdline()) + c.name()]
+    assert engine_cores, [(c.name(), c.cmdline()) for c in children]
+    return engine_cores
