@@ -10,6 +10,7 @@ generations, with requests and outputs mapped by vllm_outputs.py.
 import json
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator
@@ -136,6 +137,12 @@ class VllmEngine:
         self._config = config
         self._llm: Any = None
         self._tokenizer: Any = None
+        # Held by the threads that prepare requests (asyncio's executor, up to 32) while they
+        # use the tokenizer. vLLM's tokenizer gives each thread using it at once a Rust
+        # tokenizer of its own from a pool, copying one when none is free and keeping it (0.04
+        # GB each for the embedded pair's), so threads that took it together would grow the
+        # API process for good; tokenizing mostly holds the GIL, so taking turns costs little.
+        self._tokenizing = threading.Lock()
         self._info: EngineInfo | None = None
         self._feed: AutopilotFeed | None = None
         self._tool_parser_class: Any = None
@@ -500,23 +507,26 @@ class VllmEngine:
         return self._info
 
     def tokenize(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=True))
+        with self._tokenizing:
+            return list(self._tokenizer.encode(text, add_special_tokens=True))
 
     def decode(self, token_ids: list[int]) -> str:
-        return str(self._tokenizer.decode(token_ids))
+        with self._tokenizing:
+            return str(self._tokenizer.decode(token_ids))
 
     def render_chat(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
-        try:
-            text = self._tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=True
-            )
-        except Exception as exc:  # the template itself rejects the conversation
-            raise InvalidRequestError(
-                f"chat template rejected the messages: {exc}", param="messages"
-            ) from exc
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
+        with self._tokenizing:
+            try:
+                text = self._tokenizer.apply_chat_template(
+                    messages, tools=tools, tokenize=False, add_generation_prompt=True
+                )
+            except Exception as exc:  # the template itself rejects the conversation
+                raise InvalidRequestError(
+                    f"chat template rejected the messages: {exc}", param="messages"
+                ) from exc
+            return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     def tool_call_parser(self) -> ToolCallParser:
         assert self._tool_parser_class is not None, "engine not started"
@@ -532,7 +542,8 @@ class VllmEngine:
         prefix_id, suffix_id, middle_id = self._fill_in_the_middle_ids
 
         def encode(text: str) -> list[int]:
-            return list(self._tokenizer.encode(text, add_special_tokens=False))
+            with self._tokenizing:
+                return list(self._tokenizer.encode(text, add_special_tokens=False))
 
         return [prefix_id, *encode(prefix), suffix_id, *encode(suffix), middle_id]
 

@@ -1,7 +1,13 @@
 """The memory report on the real engine: `specserve serve` on the tiny pair says in its startup
-line and /health what its processes hold, and that adds up to what the OS reports for them."""
+line and /health what its processes hold, and that adds up to what the OS reports for them;
+requests prepared together take turns with the tokenizer, so its pool of copies does not grow."""
 
+import asyncio
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -9,7 +15,7 @@ import pytest
 from safetensors import safe_open
 
 from server.autopilot.suffix_tree import BYTES_PER_TOKEN
-from tests.integration.conftest import TinyModels, serving
+from tests.integration.conftest import RunningServer, TinyModels, serving
 
 pytestmark = pytest.mark.integration
 
@@ -62,3 +68,60 @@ def test_a_kv_cache_the_host_cannot_hold_is_made_to_fit(tiny: TinyModels, tmp_pa
     fitted = memory["kv_cache_bytes"] // 2**30
     assert 1 <= fitted < beyond
     assert f"KV cache {fitted} GiB instead of {beyond} (max model len 2048): this host has " in log
+
+
+class _CountedTokenizer:
+    """The engine's tokenizer, counting the threads inside its calls at once."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._count = threading.Lock()
+        self.inside = 0
+        self.most_inside = 0
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._tokenizer, name)
+        if name not in ("encode", "decode", "apply_chat_template"):
+            return attribute
+        return self._counted(attribute)
+
+    def _counted(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            with self._count:
+                self.calls += 1
+                self.inside += 1
+                self.most_inside = max(self.most_inside, self.inside)
+            try:
+                # Holds the call open, so that threads calling together would be inside at once.
+                time.sleep(0.05)
+                return call(*args, **kwargs)
+            finally:
+                with self._count:
+                    self.inside -= 1
+
+        return counted
+
+
+async def test_requests_prepared_together_take_turns_with_the_tokenizer(
+    spec_server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's tokenizer gives each thread inside it at once a copy of its own and keeps it;
+    requests are prepared on asyncio's executor threads (six on two cores)."""
+    counted = _CountedTokenizer(spec_server.engine._tokenizer)
+    monkeypatch.setattr(spec_server.engine, "_tokenizer", counted)
+
+    async def chat(client: httpx.AsyncClient, index: int) -> int:
+        body = {
+            "model": spec_server.model,
+            "messages": [{"role": "user", "content": f"request {index}: hello"}],
+            "max_tokens": 2,
+        }
+        response = await client.post("/v1/chat/completions", json=body)
+        return response.status_code
+
+    async with httpx.AsyncClient(base_url=spec_server.base_url, timeout=120) as client:
+        statuses = await asyncio.gather(*(chat(client, index) for index in range(8)))
+    assert statuses == [200] * 8
+    assert counted.calls >= 8
+    assert counted.most_inside == 1

@@ -127,20 +127,43 @@ def test_without_the_patch_vllm_keeps_both_copies_of_every_one() -> None:
 
 
 TOKENIZER_PROBE = """
+import copy
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from vllm.plugins import load_general_plugins
 from vllm.tokenizers import get_tokenizer
+from vllm.tokenizers.hf import maybe_make_thread_pool
 
 load_general_plugins()
 tokenizer = get_tokenizer(sys.argv[1])
-ids = tokenizer.encode("def fibonacci(n):\\n    return [n, n + 1]  # done")
+text = "def fibonacci(n):\\n    return [n, n + 1]  # done"
+ids = tokenizer.encode(text)
+shallow, deep = copy.copy(tokenizer), copy.deepcopy(tokenizer)
+# As vLLM's renderer pools it: threads that set truncation on their copy while others encode.
+pooled = maybe_make_thread_pool(copy.copy(tokenizer), 2)
+
+
+def encode(call):
+    cut = call % 3 == 0
+    return pooled(text * 50, truncation=cut, max_length=8 if cut else None)["input_ids"]
+
+
+with ThreadPoolExecutor(8) as threads:
+    lengths = {len(encoded) for encoded in threads.map(encode, range(400))}
 print(json.dumps({
     "class": type(tokenizer).__mro__[1].__name__,
     "holds_what_it_was_built_from": any(hasattr(tokenizer, name) for name in ("_vocab", "_merges")),
     "ids": ids,
     "text": tokenizer.decode(ids),
+    "copies_share_the_vocabulary": all(
+        clone.get_vocab() is tokenizer.get_vocab() for clone in (shallow, deep)
+    ),
+    "deep_copy_has_its_own_rust_tokenizer": deep._tokenizer is not tokenizer._tokenizer,
+    "copies_encode_as_before": shallow.encode(text) == deep.encode(text) == ids,
+    "pooled_lengths": sorted(lengths),
+    "full_length": len(tokenizer.encode(text * 50)),
 }))
 """
 
@@ -174,3 +197,19 @@ def test_a_tokenizer_vllm_loads_drops_its_python_vocabulary_and_encodes_as_befor
     assert whole["holds_what_it_was_built_from"] is True
     assert trimmed["holds_what_it_was_built_from"] is False
     assert trimmed["ids"] == whole["ids"] and trimmed["text"] == whole["text"]
+
+
+def test_copies_of_a_tokenizer_share_its_caches_and_a_deep_copy_owns_its_rust_tokenizer(
+    tmp_path: Path,
+) -> None:
+    build_tokenizer(tmp_path)
+    shared = _tokenizer_probe(tmp_path, ["cpu_embedding_memory"])
+    whole = _tokenizer_probe(tmp_path, [])
+    # vLLM caches each copy anew, a vocabulary dict per copy; the patch's copies share one.
+    assert whole["copies_share_the_vocabulary"] is False
+    assert shared["copies_share_the_vocabulary"] is True
+    for probe in (shared, whole):
+        assert probe["deep_copy_has_its_own_rust_tokenizer"] is True
+        assert probe["copies_encode_as_before"] is True
+        # Eight threads through the pool, a third of them truncating: each got whole or cut.
+        assert probe["pooled_lengths"] == [8, probe["full_length"]]
