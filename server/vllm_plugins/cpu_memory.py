@@ -173,8 +173,9 @@ def hold_tokenizers_once() -> None:
 # vocabulary dict per copy (0.02 GB for the embedded pair's), and a deep copy of everything
 # for each tokenizer of its renderer's pool (0.07 GB each, two in the API process). The pool
 # is there because a Rust tokenizer may not be used by two threads at once (transformers
-# sets its truncation and padding on it per call): a pool copy needs its own Rust tokenizer
-# and nothing else, as the caches and the Python state read per call are never written.
+# sets its truncation and padding on it per call): a pool copy needs its own Rust tokenizer.
+# The rest it can share: a call of transformers' tokenizer classes writes to the Rust
+# tokenizer and to attributes (a copy's own), not into the dicts and lists it reads.
 
 
 def _shallow_copy(tokenizer: Any) -> Any:

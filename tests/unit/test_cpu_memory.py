@@ -2,7 +2,7 @@
 fresh process, as vLLM's worker loads it): input embeddings unpacked, the target's head packed
 without its plain weight, a trimmed draft's head unpacked, an untrimmed draft's as vLLM does;
 every head still multiplies as before; a tokenizer vLLM loads keeps no Python copy of its
-vocabulary."""
+vocabulary, and its copies share its caches, each deep copy with a Rust tokenizer of its own."""
 
 import json
 import os
