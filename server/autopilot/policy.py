@@ -238,6 +238,15 @@ class Controller:
             )
         return Decision(k=0, per_request_k=dict.fromkeys(request_ids, 0), reason=reason)
 
+    def served_by_lookups(self, batch: int) -> None:
+        """A step whose lookups idled the draft (the scheduler decided it without asking): time
+        at K = 0, toward the next probe's interval and catch-up budget. Where the draft stopped
+        for a request whose lookups then serve it, its draft falls behind with every step; had
+        those steps not counted, its probe's catch-up would outgrow the budget and the draft
+        would not be tried again for the rest of the request."""
+        self._off_steps += 1
+        self._off_seconds += self._cost.predict(batch, 0)
+
     def realised(self, predicted: float, measured: float, batch: int) -> None:
         """One steady speculating step of `batch` requests (the K it verified is the K it
         proposed, no prefill): the speedup the decision predicted for it

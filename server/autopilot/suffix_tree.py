@@ -416,10 +416,17 @@ class SuffixProposer:
         self._requests: dict[str, _Request] = {}
 
     def find(
-        self, request_id: str, tenant: str | None, all_tokens: Sequence[int], max_tokens: int
+        self,
+        request_id: str,
+        tenant: str | None,
+        all_tokens: Sequence[int],
+        max_tokens: int,
+        spec_factor: float | None = None,
     ) -> Proposal | None:
         """The continuation of the request's context (prompt and reply so far) expected to have
-        the most tokens accepted, at most max_tokens long; None where nothing occurred before."""
+        the most tokens accepted, at most max_tokens long and `spec_factor` (default
+        max_spec_factor) times its match; None where nothing occurred before."""
+        factor = self.max_spec_factor if spec_factor is None else spec_factor
         request = self._requests.get(request_id)
         if request is None:
             start = max(0, len(all_tokens) - self.context_tokens)
@@ -446,7 +453,7 @@ class SuffixProposer:
             for match in matches:
                 matched = match[2]
                 # The paper's adaptive length (the epsilon: 0.29 * 100 is 28.999...).
-                limit = min(max_tokens, int(self.max_spec_factor * matched + 1e-9))
+                limit = min(max_tokens, int(factor * matched + 1e-9))
                 if limit <= score:
                     break  # no shorter match can beat it: matches come longest first
                 assert tree is not None

@@ -266,11 +266,11 @@ class AutopilotScheduler(Scheduler):
             self._calibration_steps[batch] += 1
             k = self._calibration_cycle[step % len(self._calibration_cycle)]
             return Decision(k=k, reason=None if k else IdleReason.CALIBRATING, probing=True)
-        if self._lookups is not None and (
-            self._lookups.serve_all(request_ids) or self._lookups.hold_draft(request_ids)
-        ):
-            # Every request verifies a lookup, expected to continue next step, or just ended a
-            # run of them: no draft needed this step.
+        if self._lookups is not None and self._lookups.idles_draft(request_ids):
+            # Every request verifies a lookup expected to continue next step, just ended a run
+            # of them, or copies: no draft needed this step.
+            if self._mode == "auto" and self._cost.ready:
+                self._controller.served_by_lookups(len(request_ids))
             return Decision(k=0, reason=IdleReason.LOOKUP)
         if self._mode == "fixed":
             if self._max_batch is not None and len(request_ids) > self._max_batch:
@@ -353,11 +353,12 @@ class AutopilotScheduler(Scheduler):
         sampled = runner_output.sampled_token_ids
         verified_total = prefill_tokens = generated = 0
         drafted = False  # the draft's proposals were verified in this step
+        made: dict[str, int] = {}  # tokens by request
         for request_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             drafts = len(spec.get(request_id, ()))
             prefill_tokens += max(0, scheduled - 1 - drafts)
             index = runner_output.req_id_to_index.get(request_id)
-            tokens = len(sampled[index]) if sampled and index is not None else 0
+            tokens = made[request_id] = len(sampled[index]) if sampled and index is not None else 0
             generated += tokens
             if drafts and tokens:
                 verified_total += drafts
@@ -381,6 +382,9 @@ class AutopilotScheduler(Scheduler):
                 self._lookups.not_compared(step.batch_size)
             else:
                 self._lookups.end_to_end(step.batch_size, duration, generated, verified_total > 0)
+            idled = decision.reason is IdleReason.LOOKUP
+            if (idled or self._idled_for_lookups) and not prefill_tokens:
+                self._lookups.paced(duration, made)
         # What the controller measures is the draft's doing: neither a lookup step nor the
         # draft catching up after lookups idled it (the lookups' pricing pays for that).
         looked_up = self._lookups is not None and self._lookups.in_step()

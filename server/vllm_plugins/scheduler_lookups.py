@@ -11,6 +11,14 @@ followed the last tokens before was frequent. Where every request of a step has 
 wins against the draft with the draft idle (its passes saved, the end of its run paid for),
 the scheduler idles the draft; otherwise the draft runs for the step anyway, and a lookup
 replaces a request's draft proposal only where it is expected to give more tokens in that step.
+A request copies (code edits: its reply is mostly its prompt) where the steps its lookups ran
+with the draft idle, the plain steps between its runs and the draft's restart after them
+included, made its tokens faster than its draft's steps would: it is then proposed up to
+COPY_SPEC_FACTOR times its match, and its draft stays idle between its runs of lookups, where
+restarting it would cost a step that verifies nothing each time a run ends. A wait is a ski
+rental: plain steps go on until what they lost against the draft's pace reaches what a restart
+costs (its step makes one token), then the draft restarts. The measure goes on while it copies,
+so a request that stops copying gets its draft back.
 The scheduler keeps lookup steps out of what its controller measures of the draft, and feeds
 each finished reply into its tenant's tree. In auto mode lookups also
 answer to what they measured: they are priced at this machine's step and verify costs, and at
@@ -27,6 +35,7 @@ proposed past it. `LOOKUP` declares the patch for the registry.
 
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from server.autopilot.acceptance import AcceptanceTracker, tokens_by_k
@@ -80,6 +89,32 @@ LOOKUP = patching.Patch(
 )
 
 
+# A copying request's lookups propose up to this many times their match (the paper's
+# max_spec_factor; 1 otherwise): a copy's short match after an edit is followed by a long one.
+COPY_SPEC_FACTOR = 4.0
+# Steps of a request's lookups with the draft idle before they can tell it copies.
+COPY_MIN_STEPS = 4
+# Its pace follows the latest steps: a request that stops copying gets its draft back soon.
+COPY_HALF_LIFE_STEPS = 8.0
+
+
+@dataclass
+class _LookupPace:
+    """One request's tokens and seconds in the steps its lookups ran with the draft idle (the
+    plain steps between its runs, and the draft's restart after them, included), recency
+    weighted."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    steps: int = 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        decay = 0.5 ** (1.0 / COPY_HALF_LIFE_STEPS)
+        self.tokens = decay * self.tokens + tokens
+        self.seconds = decay * self.seconds + seconds
+        self.steps += 1
+
+
 def _none(*args: Any) -> dict[str, Proposal]:
     return {}
 
@@ -109,8 +144,12 @@ class SchedulerLookups:
         self._acceptance = acceptance  # the draft's, which a lookup is weighed against
         self._proposed: dict[str, Proposal] = {}  # this step's lookups, before vLLM schedules
         self._step: dict[str, Proposal] = {}  # request id -> the lookup it verifies this step
-        self._idles_draft = False  # this step's lookups were priced with the draft idle
-        self._ended: set[str] = set()  # requests whose run of lookups ended this step
+        self._idles_draft = False  # this step's requests all go without the draft
+        # Requests that go without the draft this step although they verify no lookup: their
+        # run of lookups just ended, or they copy.
+        self._resting: set[str] = set()
+        self._paces: dict[str, _LookupPace] = {}  # each running sequence's lookups' pace
+        self._waited: dict[str, int] = {}  # plain steps a copying request has rested in a row
         self._by_origin = {"prompt": Verified(), "replies": Verified()}
         self._by_request: dict[str, Verified] = {}  # each running sequence's lookups
         # Front-end request id -> its finished sequences' counts, while a sibling runs.
@@ -129,9 +168,10 @@ class SchedulerLookups:
         batch = len(requests)
         price = self._verify_price(batch)
         previous = self._step  # what the last step verified of lookups, by request
+        rested = self._resting  # and which requests rested in it
         # Each lookup, its length, and whether it wins with the draft idle and beside it.
         candidates: list[tuple[Any, Proposal, int, bool, bool]] = []
-        ended: set[str] = set()
+        resting: set[str] = set()
         if self._veto is not None and self._veto.slower(batch):
             requests = []
         for request in requests:
@@ -149,19 +189,25 @@ class SchedulerLookups:
             if cap <= 0:
                 continue
             tenant = extra_arg(request, TENANT_ARG)
-            proposal = self._proposer.find(request_id, tenant, request.all_token_ids, cap)
+            copying = self._copies(request_id, batch)
+            factor = COPY_SPEC_FACTOR if copying else None
+            proposal = self._proposer.find(request_id, tenant, request.all_token_ids, cap, factor)
             length = 0 if proposal is None else self._pricing.worth_verifying(proposal, price)
             before = previous.get(request_id)
             if before is not None and not request.spec_token_ids:  # the draft idled
                 self._pricing.observe_run(before, ended=length == 0)
                 if length == 0:
-                    ended.add(request_id)
+                    resting.add(request_id)  # one plain step: lookups often resume then
             if proposal is None or length == 0:
+                if copying and self._waits(request_id, batch):
+                    resting.add(request_id)
                 continue
-            idle, beside = self._wins(request, proposal, length, batch)
-            candidates.append((request, proposal, length, idle, beside))
-        # The draft idles only where every request's lookup wins so; else it runs anyway.
-        idles = len(candidates) == batch and all(idle for *_, idle, _ in candidates)
+            # Its draft idled for its lookups last step: without a lookup now it restarts.
+            restarts = (before is not None or request_id in rested) and not request.spec_token_ids
+            idle, beside = self._wins(request, proposal, length, batch, restarts)
+            candidates.append((request, proposal, length, idle or copying, beside))
+        # The draft idles only where every request goes without it; else it runs anyway.
+        idles = len(candidates) + len(resting) == batch and all(idle for *_, idle, _ in candidates)
         chosen: dict[str, Proposal] = {}
         for request, proposal, length, idle, beside in candidates:
             if idle if idles else beside:
@@ -173,7 +219,8 @@ class SchedulerLookups:
         self._rounds += 1
         self._proposed = chosen
         self._idles_draft = idles
-        self._ended = ended
+        self._resting = resting
+        self._waited = {r: self._waited.get(r, 0) + 1 for r in resting}
         return chosen
 
     def scheduled(self, spec_decode_tokens: Mapping[str, list[int]]) -> None:
@@ -185,19 +232,23 @@ class SchedulerLookups:
         """Requests verifying a lookup in this step."""
         return len(self._step)
 
-    def serve_all(self, request_ids: list[str]) -> bool:
-        """Whether the draft idles this step: every request of it verifies a lookup priced
-        with the draft idle."""
-        return self._idles_draft and bool(self._step) and all(r in self._step for r in request_ids)
+    def idles_draft(self, request_ids: list[str]) -> bool:
+        """Whether the draft idles this step: every request of it verifies a lookup priced with
+        the draft idle, or rests. A request rests for one plain step where its run of lookups
+        with the draft idle just ended (restarting the draft costs a step that only proposes,
+        nothing of the draft's being there to verify, and after an edit the lookups often
+        resume one token later), and for as long as it copies."""
+        return (
+            self._idles_draft
+            and bool(request_ids)
+            and all(r in self._step or r in self._resting for r in request_ids)
+        )
 
-    def hold_draft(self, request_ids: list[str]) -> bool:
-        """Whether the draft stays idle for one plain step although no request verifies a
-        lookup: every request of the step verified a lookup with the draft idle in the step
-        before and has none worth verifying now (its run of lookups ended). Restarting the
-        draft costs a step that only proposes (nothing of the draft's is there to verify), and
-        its proposals then compete with the lookups, which often resume one token later (after
-        an edit)."""
-        return bool(request_ids) and all(r in self._ended for r in request_ids)
+    def paced(self, seconds: float, tokens: Mapping[str, int]) -> None:
+        """A decode step that idled the draft for lookups or follows one that did (the draft's
+        restart): each request's tokens in it, to its lookups' pace."""
+        for request_id, made in tokens.items():
+            self._paces.setdefault(request_id, _LookupPace()).add(made, seconds)
 
     def observe(self, request_id: str, verified: int, accepted: int) -> bool:
         """A verify step of one request; False where its proposal was the draft's."""
@@ -231,6 +282,8 @@ class SchedulerLookups:
         request_id = request.request_id
         tenant = extra_arg(request, TENANT_ARG)
         self._proposer.finish(request_id, tenant, request.output_token_ids)
+        self._paces.pop(request_id, None)
+        self._waited.pop(request_id, None)
         own = self._by_request.pop(request_id, None)
         key = extra_arg(request, REQUEST_ARG)
         if key is None:
@@ -244,15 +297,54 @@ class SchedulerLookups:
             del self._finished[key]  # its last sequence
         return finished or None
 
-    def _wins(self, request: Any, proposal: Proposal, length: int, batch: int) -> tuple[bool, bool]:
+    def _copies(self, request_id: str, batch: int) -> bool:
+        """Whether the request's lookups, with the draft idle, made its tokens faster than its
+        draft's steps would (auto mode: fixed mode has no timings)."""
+        pace = self._paces.get(request_id)
+        cost = self._cost
+        if pace is None or pace.steps < COPY_MIN_STEPS or cost is None or not cost.ready:
+            return False
+        _, draft_seconds_per_token = self._draft_pace(cost, request_id, batch)
+        return pace.seconds < draft_seconds_per_token * pace.tokens
+
+    def _waits(self, request_id: str, batch: int) -> bool:
+        """Whether a copying request without a lookup rests one more plain step rather than
+        restart its draft: while the plain steps it rested in a row lost less against the
+        draft's pace than a restart costs over it (the restart's step makes one token)."""
+        cost = self._cost
+        assert cost is not None  # a copying request was priced
+        plain = cost.predict(batch, 0)
+        draft_step, draft_seconds_per_token = self._draft_pace(cost, request_id, batch)
+        lost = self._waited.get(request_id, 0) * (plain - draft_seconds_per_token)
+        return lost < draft_step - draft_seconds_per_token
+
+    def _draft_pace(self, cost: CostModel, request_id: str, batch: int) -> tuple[float, float]:
+        """A step of the request's draft at the K that makes its tokens fastest: the step's
+        seconds and its seconds per expected token."""
+        rates = self._acceptance.position_rates(request_id)
+        tokens = tokens_by_k(rates, len(rates))
+        return min(
+            (
+                (cost.predict(batch, k), cost.predict(batch, k) / tokens[k])
+                for k in range(1, len(tokens))
+            ),
+            key=lambda priced: priced[1],
+        )
+
+    def _wins(
+        self, request: Any, proposal: Proposal, length: int, batch: int, restarts: bool
+    ) -> tuple[bool, bool]:
         """Whether verifying the lookup's first `length` tokens instead of the draft's proposal
         (none where the draft idled) is expected to make the request's tokens faster: in a step
         of lookups alone, and in a step that runs the draft anyway.
 
         Alone, the step runs no draft pass, but where the draft has a proposal the lookup is
         charged what the next step loses when its run ends there: the draft's proposal, all but
-        the one token a step makes without it, while the draft catches up. Beside the draft
-        (for the other requests), the step is the same but for the tokens verified."""
+        the one token a step makes without it, while the draft catches up. Where the draft
+        idled for the request's lookups (`restarts`), a lookup alone must beat the draft's own
+        pace, not a plain step's: it puts the draft's restart off without saving it. Beside
+        the draft (for the other requests), the step is the same but for the tokens
+        verified."""
         drafts = len(request.spec_token_ids)
         draft_tokens = tokens_by_k(self._acceptance.position_rates(request.request_id), drafts)[-1]
         lookup_tokens = self._pricing.expected_tokens(proposal, length)
@@ -264,7 +356,10 @@ class SchedulerLookups:
         verify = cost.verify_seconds_per_token()
         alone = (lookup_tokens - run_end) / (cost.predict(batch, 0) + verify * length)
         beside = lookup_tokens / (step + verify * (length - drafts))
-        return alone > draft_tokens / step, beside > draft_tokens / step
+        pace = draft_tokens / step
+        if restarts:
+            pace = max(pace, 1.0 / self._draft_pace(cost, request.request_id, batch)[1])
+        return alone > pace, beside > draft_tokens / step
 
     def _verify_price(self, batch: int) -> float:
         """One more verified token's cost, in the output tokens a plain step of this batch

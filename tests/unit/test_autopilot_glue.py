@@ -567,10 +567,14 @@ def test_a_step_whose_requests_all_verify_lookups_idles_the_draft() -> None:
     _propose(lookups, [_request("a", COPY), _request("b", COPY)])
     lookups.scheduled({"a": [1], "b": [1]})
     scheduler._lookups = lookups
+    served: list[int] = []
+    scheduler._cost = SimpleNamespace(ready=True)
+    scheduler._controller = SimpleNamespace(served_by_lookups=served.append)
     decision = scheduler._decide({"a": 9, "b": 9}, {"a": 0, "b": 0}, {})
     assert (decision.k, decision.reason) == (0, IdleReason.LOOKUP)
+    assert served == [2]  # time off for the controller's next probe
     lookups.scheduled({"a": [1]})  # vLLM could not fit b's: b needs the draft
-    assert not lookups.serve_all(["a", "b"])
+    assert not lookups.idles_draft(["a", "b"])
 
 
 def test_lookup_steps_teach_the_lookup_and_not_the_draft_s_controller() -> None:
@@ -687,7 +691,7 @@ def test_a_lookup_idles_the_draft_only_where_its_run_is_expected_to_go_on(runs_e
     lookups.scheduled({r: p.tokens for r, p in chosen.items()})
     # Where runs end after a step, the next step would verify nothing while the draft caught
     # up: the draft runs, its proposal ready next step.
-    assert lookups.serve_all(["r"]) is not runs_end
+    assert lookups.idles_draft(["r"]) is not runs_end
 
 
 def test_beside_a_request_that_needs_the_draft_a_lookup_must_give_more_tokens() -> None:
@@ -741,20 +745,120 @@ def test_where_every_request_s_run_of_lookups_ended_the_draft_idles_one_plain_st
         request.sampling_params.logit_bias = None
     lookups = _lookups()
     scheduler._lookups = lookups
+    scheduler._cost = SimpleNamespace(ready=True)
+    scheduler._controller = SimpleNamespace(served_by_lookups=lambda batch: None)
     (proposal,) = _propose(lookups, [_request("r", COPY)]).values()
     lookups.scheduled({"r": proposal.tokens})
     changed = [*COPY, *range(120, 128), 999]  # nothing to look up after the edit
     assert _propose(lookups, [_request("r", changed)]) == {}
     lookups.scheduled({})
-    assert lookups.hold_draft(["r"])
-    assert not lookups.hold_draft(["r", "s"])  # s needs the draft: it runs
+    assert lookups.idles_draft(["r"])
+    assert not lookups.idles_draft(["r", "s"])  # s needs the draft: it runs
     decision = scheduler._decide({"r": 1}, {"r": 0}, {})
     assert (decision.k, decision.reason) == (0, IdleReason.LOOKUP)
     # One step only: still nothing to look up after the plain step, the draft may restart.
     assert _propose(lookups, [_request("r", [*changed, 5])]) == {}
-    assert not lookups.hold_draft(["r"])
+    assert not lookups.idles_draft(["r"])
     # Where the draft ran beside the lookup, its proposal is there: nothing to hold.
     (again,) = _propose(lookups, [_request("t", COPY)]).values()
     lookups.scheduled({"t": again.tokens})
     _propose(lookups, [_request("t", changed, spec_token_ids=[1, 2])])
-    assert not lookups.hold_draft(["t"])
+    assert not lookups.idles_draft(["t"])
+
+
+def _copying_lookups() -> SchedulerLookups:
+    """Lookups beside a draft whose proposals of 4 are all accepted: 5 tokens in 80 ms at
+    K = 4, 62.5 tokens/s, its fastest K (a plain step 40 ms, 10 ms a drafted position)."""
+    _, tracker = _drafted("r", accepted=4)
+    return SchedulerLookups(8, 1000, _priced(0.04, 0.01), tracker, None)
+
+
+def test_a_request_copies_while_its_lookups_outpace_its_draft() -> None:
+    lookups = _copying_lookups()
+    line = list(range(100, 140))
+    _propose(lookups, [_request("q", [*line, 999])])  # nothing to look up after 999
+    assert not lookups.idles_draft(["q"])  # its lookups not measured: its draft restarts
+    context = [*line, 7, 100, 101]  # after an edit, two tokens of the line again
+    request = _request("r", context)
+    _propose(lookups, [request])
+    assert request.spec_token_ids == [102, 103]  # as long as its match
+    for _ in range(4):
+        lookups.paced(0.05, {"r": 5})  # 100 tokens/s with the draft idle
+    request = _request("r", context)
+    _propose(lookups, [request])
+    assert request.spec_token_ids == list(range(102, 110))  # four times its match, capped at 8
+    context.append(999)  # nothing to look up after 999
+    rested = 0
+    while rested < 20:
+        _propose(lookups, [_request("r", context)])
+        if not lookups.idles_draft(["r"]):
+            break
+        assert not lookups.idles_draft(["r", "s"])  # s needs the draft: it runs
+        lookups.paced(0.04, {"r": 1})  # a plain step
+        context.append(1000 + rested)
+        rested += 1
+    # A restart costs 80 ms for one token, 64 ms over the draft's pace (16 ms a token); a
+    # plain step loses 24 ms: the draft restarts once three did (72 ms), as a ski rental.
+    assert rested == 3
+
+
+def test_a_request_that_stops_copying_gets_its_draft_back() -> None:
+    lookups = _copying_lookups()
+    for _ in range(4):
+        lookups.paced(0.05, {"r": 5})
+    context = [*range(100, 140), 7, 100, 101]
+    request = _request("r", context)
+    _propose(lookups, [request])
+    assert len(request.spec_token_ids) == 8
+    for _ in range(12):
+        lookups.paced(0.05, {"r": 1})  # its lookups stopped paying: 20 tokens/s
+    request = _request("r", context)
+    _propose(lookups, [request])
+    assert request.spec_token_ids == [102, 103]
+    context.append(999)
+    _propose(lookups, [_request("r", context)])
+    assert not lookups.idles_draft(["r"])
+
+
+def test_a_request_whose_lookups_fall_behind_its_draft_does_not_copy() -> None:
+    lookups = _copying_lookups()
+    for _ in range(20):
+        lookups.paced(0.05, {"r": 3})  # 60 tokens/s against its draft's 62.5
+    request = _request("r", [*range(100, 140), 7, 100, 101])
+    _propose(lookups, [request])
+    assert request.spec_token_ids == [102, 103]
+    _propose(lookups, [_request("r", [*range(100, 140), 7, 100, 101, 999])])
+    assert not lookups.idles_draft(["r"])
+
+
+def test_the_lookups_pace_counts_the_steps_they_idled_the_draft_in_and_its_restart() -> None:
+    scheduler = _observing_scheduler("auto")
+    lookups = _lookups()
+    scheduler._lookups = lookups
+    _step(scheduler, 2)  # the draft's
+    _step(scheduler, 0, reason=IdleReason.LOOKUP)  # idled for lookups
+    _step(scheduler, 0, reason=IdleReason.LOOKUP, prefill=6)  # a prompt chunk rides along
+    _step(scheduler, 2, caught_up=5)  # the draft restarts after them
+    _step(scheduler, 2)  # the draft's again
+    pace = lookups._paces["r"]
+    # 3 tokens (the draft's 2 verified, with the idle step's) in 0.5 s, then the restart's 1.
+    assert (pace.steps, pace.tokens, pace.seconds) == (
+        2,
+        pytest.approx(3 * 0.5**0.125 + 1),
+        pytest.approx(0.5 * 0.5**0.125 + 0.5),
+    )
+
+
+@pytest.mark.parametrize("rested", [False, True])
+def test_where_the_draft_idled_for_a_request_s_lookups_the_next_must_beat_the_draft(
+    rested: bool,
+) -> None:
+    """After 5 came three tokens before: a lookup of 3 makes ~1.3 tokens in 41 ms, faster than
+    a plain step (25 tokens/s), slower than the draft (62.5). Where the draft idled for the
+    request's lookups, verifying it alone would only put the draft's restart off."""
+    lookups = _copying_lookups()
+    lookups._resting = {"w"} if rested else set()
+    weak = _request("w", [5, 1, 5, 2, 5, 3, 5])
+    assert set(_propose(lookups, [weak])) == {"w"}  # beside the draft where it restarts
+    lookups.scheduled({"w": weak.spec_token_ids})
+    assert lookups.idles_draft(["w"]) is not rested

@@ -474,6 +474,20 @@ def test_no_probe_when_even_perfect_acceptance_could_not_pay_back_the_catch_up()
     assert [d.probing for d in near].count(True) == 1
 
 
+@pytest.mark.parametrize("served", [False, True])
+def test_steps_the_lookups_served_count_toward_the_next_probe(served: bool) -> None:
+    cost = calibrated_with_catch_up(CPU)
+    controller = Controller(K_MAX, cost, tracker_with_acceptance(0.1))
+    state = {"r": RequestState(behind=1, tokens_left=200)}
+    first = next(i for i in range(100) if controller.choose(state).probing)
+    assert first < 16
+    assert not controller.choose(state).probing  # off again; the next probe 32 steps on
+    for _ in range(31):
+        if served:
+            controller.served_by_lookups(1)  # lookups served the request, the draft idle
+    assert controller.choose(state).probing is served
+
+
 def test_a_probe_waits_until_its_catch_up_fits_in_two_percent_of_the_time_off() -> None:
     cost = calibrated_with_catch_up(CPU)
     controller = Controller(K_MAX, cost, tracker_with_acceptance(0.1))
