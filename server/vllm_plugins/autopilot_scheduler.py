@@ -14,9 +14,10 @@ for the `REPORT_BATCH_SIZES` batch sizes nearest the step's.
 
 With the hybrid proposer (`--speculative-method hybrid`) lookups (scheduler_lookups.py) may
 replace the draft's proposals before vLLM schedules the step; a step whose requests all verify
-lookups priced with the draft idle idles it (reason "lookup"), the draft catching up when it is
-needed again, and lookup steps stay out of what the controller measures of the draft (its
-acceptance, its end-to-end comparison).
+lookups priced with the draft idle or rest between runs of them idles it (reason "lookup"), the
+draft catching up when it is needed again. Lookup steps stay out of what the controller measures
+of the draft (its acceptance, its end-to-end comparison) and count as its time off toward a
+probe; each request's steps with the draft idle for its lookups time its lookups' pace.
 
 The mode comes from the engine's settings (`patching.settings()`): "auto"
 (the controller), "fixed" (K up to a batch-size cut-off, as vLLM's static
