@@ -30,8 +30,13 @@ AUTOPILOT = patching.Patch(
                 "policy",
                 "max_num_running_reqs",
                 "_preempt_request",
+                "block_size",
+                "kv_cache_manager",
             ),
         ),
+        Hook("vllm.v1.core.kv_cache_manager", "KVCacheManager", members=("coordinator",)),
+        Hook("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator.get_blocks", ("request_id",)),
+        Hook("vllm.v1.core.kv_cache_utils", "KVCacheBlock", members=("block_id",)),
         Hook(
             "vllm.v1.core.sched.output",
             "SchedulerOutput",

@@ -136,6 +136,10 @@ class AutopilotScheduler(Scheduler):
         self._decision: Decision | None = None
         # request id -> positions its draft has seen (mirrors draft_sync's catch-up)
         self._draft_seen: dict[str, int] = {}
+        # KV blocks holding the draft's KV at every position of their tokens (mirrors
+        # draft_sync's): what of a prefix the prefix cache serves the draft need not catch up on.
+        self._draft_blocks: set[int] = set()
+        self._step_starts: dict[str, int] = {}  # each request's first position in this step
         self._caught_up = 0  # positions the draft catches up on in the step being run
         self._scheduled_at = 0.0
         self._steps_by_k: Counter[int] = Counter()
@@ -233,14 +237,36 @@ class AutopilotScheduler(Scheduler):
             drafts = len(output.scheduled_spec_decode_tokens.get(request_id, ()))
             computed = self.requests[request_id].num_computed_tokens
             own = 1 + drafts if scheduled >= 1 + drafts else scheduled
+            start = self._step_starts[request_id] = computed - scheduled
             seen = self._draft_seen.get(request_id)
             if seen is None:
                 # A request's first step: what came before it is the prefix the prefix cache
-                # served, whose draft KV came with it unless the draft idled when it was
-                # computed (draft_sync then catches up on it, unpriced this once).
-                seen = self._draft_seen[request_id] = computed - scheduled
+                # served, whose draft KV came with it over the blocks the draft wrote.
+                seen = self._draft_seen[request_id] = self._draft_valid_prefix(request_id, start)
+            # The target writes this step's positions: their blocks hold its KV alone now.
+            self._draft_blocks.difference_update(
+                self._block_ids(
+                    request_id, start // self.block_size, (computed - 1) // self.block_size + 1
+                )
+            )
             behind[request_id] = max(0, computed - own - seen)
         return behind
+
+    def _block_ids(self, request_id: str, first: int, end: int) -> list[int]:
+        """The ids of the request's KV blocks first to end - 1 (its first KV cache group's,
+        whose block table draft_sync writes the draft's KV through)."""
+        blocks = self.kv_cache_manager.coordinator.get_blocks(request_id)[0]
+        return [block.block_id for block in blocks[first:end]]
+
+    def _draft_valid_prefix(self, request_id: str, cached: int) -> int:
+        """Positions of a new request's cached prefix whose draft KV is there: its leading
+        blocks that the draft wrote in full (draft_sync catches up on the rest)."""
+        valid = 0
+        for block in self._block_ids(request_id, 0, cached // self.block_size):
+            if block not in self._draft_blocks:
+                break
+            valid += self.block_size
+        return valid
 
     def _draft_saw(self, request_ids: Any) -> None:
         """After a step with K > 0: the draft has seen each request's tokens up to where vLLM
@@ -248,7 +274,16 @@ class AutopilotScheduler(Scheduler):
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is not None:
-                self._draft_seen[request_id] = request.num_computed_tokens
+                written_from = min(
+                    self._draft_seen.get(request_id, 0), self._step_starts.get(request_id, 0)
+                )
+                seen = self._draft_seen[request_id] = request.num_computed_tokens
+                if self._draft_idles:
+                    self._draft_blocks.update(
+                        self._block_ids(
+                            request_id, written_from // self.block_size, seen // self.block_size
+                        )
+                    )
 
     def _decide(
         self, scheduled: dict[str, int], behind: dict[str, int], caps: dict[str, int]
@@ -337,6 +372,7 @@ class AutopilotScheduler(Scheduler):
         for request_id in [r for r in self._draft_seen if r not in self.requests]:
             self._acceptance.forget(request_id)
             del self._draft_seen[request_id]
+            self._step_starts.pop(request_id, None)
         if step is not None:
             self._report(decision, step.batch_size)
 

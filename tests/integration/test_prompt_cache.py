@@ -1,9 +1,12 @@
 """Prompt caching on the real engine, as the official `openai` client sees it: cached_tokens in
 chat, streamed and Responses usage, tenants kept apart by their cache salts, nothing cached with
-prefix caching off, and the draft's KV right after a prefill served from the cache."""
+prefix caching off, and the draft's KV right after a prefill served from the cache, as the
+autopilot's scheduler prices it."""
 
+import json
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -20,10 +23,21 @@ ALPHA, BETA = KEYS
 
 
 @pytest.fixture(scope="module")
-async def cache_server(tiny: TinyModels) -> AsyncIterator[RunningServer]:
-    """The target drafting for itself (every draft whose KV is right is accepted), 16-token
-    blocks, prefix caching on, one tenant per API key."""
-    config = tiny_engine_config(tiny, tiny.target, served_model_name="tiny-cache", block_size=BLOCK)
+def cache_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("trace") / "steps.jsonl"
+
+
+@pytest.fixture(scope="module")
+async def cache_server(tiny: TinyModels, cache_trace: Path) -> AsyncIterator[RunningServer]:
+    """The target drafting for itself (every draft whose KV is right is accepted), 32-token
+    blocks, prefix caching on, one tenant per API key, its steps traced."""
+    config = tiny_engine_config(
+        tiny,
+        tiny.target,
+        served_model_name="tiny-cache",
+        block_size=BLOCK,
+        speculation_trace=cache_trace,
+    )
     async for running in serve(config, api_keys=ApiKeys(KeyRing(KEYS))):
         yield running
 
@@ -138,6 +152,29 @@ async def test_drafts_after_a_cached_prefill_are_all_accepted(
     assert speculation["draft_tokens"] > 0
     assert speculation["accepted_tokens"] == speculation["draft_tokens"]
     assert on.choices[0].message.content == off.choices[0].message.content
+
+
+async def test_the_scheduler_prices_the_draft_s_catch_up_on_a_cached_prefix_it_never_wrote(
+    cache_server: RunningServer, cache_trace: Path
+) -> None:
+    """The first request's prefill ran without the draft (an agent's earlier turn where the
+    draft did not pay); the second reuses its blocks. What the scheduler counted of the
+    draft's catch-up in the steps that ran the draft (a prompt chunk's own positions aside,
+    which vLLM's proposer computes) is what the draft caught up on: the cached prefix."""
+    client, model, system = _client(cache_server), cache_server.model, _system()
+    question = "Write a function that multiplies two numbers."
+    await _chat(
+        client, model, system, question, extra_body={"speculation": {"max_draft_tokens": 0}}
+    )
+    before = await _draft_counts(cache_server)
+    traced = len(cache_trace.read_text().splitlines())
+    on = await _chat(client, model, system, question)
+    after = await _draft_counts(cache_server)
+    steps = [json.loads(line) for line in cache_trace.read_text().splitlines()[traced:]]
+    priced = sum(step["caught_up"] - step["prefill_tokens"] for step in steps if step["k"])
+    caught_up = after["draft_caught_up_tokens"] - before["draft_caught_up_tokens"]
+    assert caught_up >= _cached(on.usage) > 0
+    assert priced == caught_up
 
 
 async def test_the_draft_does_not_prefill_a_cached_prefix_it_wrote_again(

@@ -203,14 +203,29 @@ def test_script_parsing() -> None:
     assert autopilot_scheduler.parse_script("0x2,3,1x3") == [0, 0, 3, 1, 1, 1]
 
 
+def _mirroring_scheduler(
+    requests: dict[str, Any], blocks: dict[str, list[int]]
+) -> autopilot_scheduler.AutopilotScheduler:
+    """A scheduler with the draft's mirror only: vLLM's requests and their KV blocks of 16."""
+    scheduler = object.__new__(autopilot_scheduler.AutopilotScheduler)
+    scheduler._draft_seen = {}
+    scheduler._draft_blocks = set()
+    scheduler._step_starts = {}
+    scheduler._draft_idles = True
+    scheduler.requests = requests
+    scheduler.block_size = 16
+    coordinator = SimpleNamespace(
+        get_blocks=lambda r: ([SimpleNamespace(block_id=b) for b in blocks[r]],)
+    )
+    scheduler.kv_cache_manager = SimpleNamespace(coordinator=coordinator)
+    return scheduler
+
+
 def test_the_scheduler_counts_the_positions_the_draft_must_catch_up_on() -> None:
     """The glue's mirror of the draft's position, on vLLM's own bookkeeping: schedule() has
     already advanced num_computed_tokens past the step's tokens."""
-    scheduler = object.__new__(autopilot_scheduler.AutopilotScheduler)
-    scheduler._draft_seen = {}
-    scheduler._draft_idles = True
     request = SimpleNamespace(num_computed_tokens=0)
-    scheduler.requests = {"r": request}
+    scheduler = _mirroring_scheduler({"r": request}, {"r": list(range(10))})
 
     def step(scheduled: int, drafts: int = 0) -> int:
         request.num_computed_tokens += scheduled
@@ -223,6 +238,7 @@ def test_the_scheduler_counts_the_positions_the_draft_must_catch_up_on() -> None
     # A 40-token prompt: all but the step's own token is the draft's to prefill.
     assert step(40) == 39
     scheduler._draft_saw(["r"])  # after a step with K > 0
+    assert scheduler._draft_blocks == {0, 1}  # its KV over positions 0-31; 32-39 not a block
     assert step(1) == 0  # in step: a decode step's own token only
     # Three idle steps, then the next decide sees the three positions the draft missed.
     scheduler._draft_saw(["r"])
@@ -240,18 +256,29 @@ def test_the_scheduler_counts_the_positions_the_draft_must_catch_up_on() -> None
     assert step(1) == 2
     scheduler._draft_saw(["gone"])  # a finished request: nothing to remember
     assert "gone" not in scheduler._draft_seen
+    # Block 2 (positions 32-47) holds positions the target wrote while the draft idled.
+    assert scheduler._draft_blocks == {0, 1}
+    step(1)  # with K > 0: the draft catches up on 46-48 and computes 49
+    scheduler._draft_saw(["r"])
+    assert scheduler._draft_blocks == {0, 1, 2}
 
 
-def test_a_prefix_from_the_cache_is_priced_as_holding_the_drafts_kv() -> None:
-    """A request whose first 64 prompt tokens the prefix cache served: its first step computes
-    the other 40, and the draft is behind on those alone (draft_sync catches up over the cached
-    blocks the draft did not write, unpriced)."""
-    scheduler = object.__new__(autopilot_scheduler.AutopilotScheduler)
-    scheduler._draft_seen = {}
-    scheduler._draft_idles = True
-    scheduler.requests = {"r": SimpleNamespace(num_computed_tokens=64 + 40)}
+@pytest.mark.parametrize("drafted", [True, False])
+def test_a_prefix_from_the_cache_is_priced_by_whether_the_draft_wrote_it(drafted: bool) -> None:
+    """A request whose first 64 prompt tokens the prefix cache served (blocks 7-10): its first
+    step computes the other 40. Where the draft wrote those blocks in full, it is behind on the
+    40 alone; where it idled when the target computed them (an agent's earlier turn, prefilled
+    without it), on the whole prompt, which draft_sync would catch up on."""
+    earlier = SimpleNamespace(num_computed_tokens=64)
+    request = SimpleNamespace(num_computed_tokens=64 + 40)
+    blocks = {"earlier": [7, 8, 9, 10], "r": [7, 8, 9, 10, 11, 12, 13]}
+    scheduler = _mirroring_scheduler({"earlier": earlier, "r": request}, blocks)
+    prefill = SimpleNamespace(num_scheduled_tokens={"earlier": 64}, scheduled_spec_decode_tokens={})
+    scheduler._draft_behind(prefill)
+    if drafted:
+        scheduler._draft_saw(["earlier"])
     output = SimpleNamespace(num_scheduled_tokens={"r": 40}, scheduled_spec_decode_tokens={})
-    assert scheduler._draft_behind(output)["r"] == 39
+    assert scheduler._draft_behind(output)["r"] == (39 if drafted else 64 + 39)
 
 
 def _config() -> EngineConfig:
