@@ -5,10 +5,11 @@ After vLLM's own `schedule()` it sets `num_spec_tokens_to_schedule` (the K the
 draft proposes at the end of the step) from a decision of
 `server.autopilot.policy`, and caps each request's drafts when its own
 acceptance does not pay for verifying them. It tracks up to which position
-each request's draft has seen its tokens (the draft idles at K=0), so the
-policy can price the catch-up. After the step it feeds the policy what it
-measured: the step's duration and shape (cost model) and each request's
-accepted draft prefix (acceptance). Totals go to the front end
+each request's draft has seen its tokens (the draft idles at K=0), and which KV
+blocks hold the draft's KV (a prefix the prefix cache serves holds it only where
+the draft computed it), so the policy can price the catch-up. After the step
+it feeds the policy what it measured: the step's duration and shape (cost
+model) and each request's accepted draft prefix (acceptance). Totals go to the front end
 through `autopilot_report`, one bounded report per step: what it holds by batch size, only
 for the `REPORT_BATCH_SIZES` batch sizes nearest the step's.
 
