@@ -140,7 +140,6 @@ class AutopilotScheduler(Scheduler):
         # KV blocks holding the draft's KV at every position of their tokens (mirrors
         # draft_sync's): what of a prefix the prefix cache serves the draft need not catch up on.
         self._draft_blocks: set[int] = set()
-        self._step_starts: dict[str, int] = {}  # each request's first position in this step
         self._caught_up = 0  # positions the draft catches up on in the step being run
         self._scheduled_at = 0.0
         self._steps_by_k: Counter[int] = Counter()
@@ -230,7 +229,8 @@ class AutopilotScheduler(Scheduler):
         """Positions each scheduled request's draft would have to catch up on this step
         beyond a decode step's own (its new token and the drafts it verifies): what it missed
         while idle, and a prompt chunk scheduled now. vLLM has already advanced
-        num_computed_tokens past this step's tokens."""
+        num_computed_tokens past this step's tokens. The blocks the target writes in this step
+        leave the set of blocks holding the draft's KV."""
         behind: dict[str, int] = {}
         if not self._draft_idles:
             return dict.fromkeys(output.num_scheduled_tokens, 0)
@@ -238,7 +238,7 @@ class AutopilotScheduler(Scheduler):
             drafts = len(output.scheduled_spec_decode_tokens.get(request_id, ()))
             computed = self.requests[request_id].num_computed_tokens
             own = 1 + drafts if scheduled >= 1 + drafts else scheduled
-            start = self._step_starts[request_id] = computed - scheduled
+            start = computed - scheduled
             seen = self._draft_seen.get(request_id)
             if seen is None:
                 # A request's first step: what came before it is the prefix the prefix cache
@@ -271,13 +271,12 @@ class AutopilotScheduler(Scheduler):
 
     def _draft_saw(self, request_ids: Any) -> None:
         """After a step with K > 0: the draft has seen each request's tokens up to where vLLM
-        now stands, rejected drafts already rolled back (as draft_sync's valid_until)."""
+        now stands, rejected drafts already rolled back (as draft_sync's valid_until), and the
+        blocks it wrote in full from where it stood before join the set holding its KV."""
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is not None:
-                written_from = min(
-                    self._draft_seen.get(request_id, 0), self._step_starts.get(request_id, 0)
-                )
+                written_from = self._draft_seen.get(request_id, 0)
                 seen = self._draft_seen[request_id] = request.num_computed_tokens
                 if self._draft_idles:
                     self._draft_blocks.update(
@@ -373,7 +372,6 @@ class AutopilotScheduler(Scheduler):
         for request_id in [r for r in self._draft_seen if r not in self.requests]:
             self._acceptance.forget(request_id)
             del self._draft_seen[request_id]
-            self._step_starts.pop(request_id, None)
         if step is not None:
             self._report(decision, step.batch_size)
 

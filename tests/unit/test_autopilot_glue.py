@@ -210,7 +210,6 @@ def _mirroring_scheduler(
     scheduler = object.__new__(autopilot_scheduler.AutopilotScheduler)
     scheduler._draft_seen = {}
     scheduler._draft_blocks = set()
-    scheduler._step_starts = {}
     scheduler._draft_idles = True
     scheduler.requests = requests
     scheduler.block_size = 16
