@@ -169,9 +169,19 @@ class AutopilotScheduler(Scheduler):
             lookups.propose(self.running, self.structured_output_manager.validate_tokens)
         output = super().schedule(*args, **kwargs)
         if lookups is not None:
-            lookups.scheduled(output.scheduled_spec_decode_tokens)
+            self._lookups_scheduled(lookups, output)
         self._steer(output)
         return output
+
+    @_contained(lambda self, lookups, output: None)
+    def _lookups_scheduled(self, lookups: SchedulerLookups, output: Any) -> None:
+        """What vLLM scheduled, to the lookups: their tokens it fit, the requests it prefills."""
+        scheduled = output.num_scheduled_tokens
+        lookups.scheduled(
+            output.scheduled_spec_decode_tokens,
+            [self.requests[r] for r, n in scheduled.items() if self._prefills(r, n)],
+            len(scheduled),
+        )
 
     @_contained(lambda self: None)
     def _give_way(self) -> None:
@@ -327,9 +337,14 @@ class AutopilotScheduler(Scheduler):
             prompt_tokens=request.num_prompt_tokens,
             max_tokens=max_tokens,
             draft_cap=caps.get(request_id),
-            # vLLM has already advanced num_computed_tokens past this step's tokens.
-            prefilling=request.num_computed_tokens - scheduled < request.num_prompt_tokens,
+            prefilling=self._prefills(request_id, scheduled),
         )
+
+    def _prefills(self, request_id: str, scheduled: int) -> bool:
+        """Whether the request's `scheduled` tokens this step include some of its prompt."""
+        request = self.requests[request_id]
+        # vLLM has already advanced num_computed_tokens past this step's tokens.
+        return bool(request.num_computed_tokens - scheduled < request.num_prompt_tokens)
 
     def _with_request_caps(
         self, decision: Decision, request_ids: list[str], caps: dict[str, int]

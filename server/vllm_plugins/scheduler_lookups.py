@@ -18,7 +18,9 @@ COPY_SPEC_FACTOR times its match, and its draft stays idle between its runs of l
 restarting it would cost a step that verifies nothing each time a run ends. A wait is a ski
 rental: plain steps go on until what they lost against the draft's pace reaches what a restart
 costs (its step makes one token), then the draft restarts. The measure goes on while it copies,
-so a request that stops copying gets its draft back.
+so a request that stops copying gets its draft back. Until its own steps can tell, a request
+copies where its tenant's latest finished request did, from its prefill on (which then idles the
+draft: a copy's first decode steps verify lookups, so the draft's proposal would go unverified).
 The scheduler keeps lookup steps out of what its controller measures of the draft, and feeds
 each finished reply into its tenant's tree. In auto mode lookups also
 answer to what they measured: they are priced at this machine's step and verify costs, and at
@@ -150,6 +152,10 @@ class SchedulerLookups:
         self._resting: set[str] = set()
         self._paces: dict[str, _LookupPace] = {}  # each running sequence's lookups' pace
         self._waited: dict[str, int] = {}  # plain steps a copying request has rested in a row
+        # Each running sequence offered lookups: whether its own pace said it copies (False
+        # until it tells); and each tenant's latest finished one's, which its next starts with.
+        self._copied: dict[str, bool] = {}
+        self._tenant_copied: dict[str | None, bool] = {}
         self._by_origin = {"prompt": Verified(), "replies": Verified()}
         self._by_request: dict[str, Verified] = {}  # each running sequence's lookups
         # Front-end request id -> its finished sequences' counts, while a sibling runs.
@@ -176,20 +182,15 @@ class SchedulerLookups:
             requests = []
         for request in requests:
             request_id = request.request_id
+            cap = self._cap(request)
             if (
                 request.is_prefill_chunk
                 or request.num_computed_tokens != request.num_tokens - 1
-                or request_id.startswith(CALIBRATION_PREFIX)
-                or has_logit_bias(request)
-                or extra_arg(request, NO_LOOKUPS_ARG)
+                or cap == 0
             ):
                 continue
-            own_cap = draft_cap(request)
-            cap = self.max_tokens if own_cap is None else min(own_cap, self.max_tokens)
-            if cap <= 0:
-                continue
             tenant = extra_arg(request, TENANT_ARG)
-            copying = self._copies(request_id, batch)
+            copying = self._copies(request, batch)
             factor = COPY_SPEC_FACTOR if copying else None
             proposal = self._proposer.find(request_id, tenant, request.all_token_ids, cap, factor)
             length = 0 if proposal is None else self._pricing.worth_verifying(proposal, price)
@@ -223,10 +224,23 @@ class SchedulerLookups:
         self._waited = {r: self._waited.get(r, 0) + 1 for r in resting}
         return chosen
 
-    def scheduled(self, spec_decode_tokens: Mapping[str, list[int]]) -> None:
-        """What vLLM scheduled of this step's lookups (a request it could not fit has none)."""
+    def _none_scheduled(self, *args: Any) -> None:
+        """Once lookups failed: no step verifies one or idles the draft for them."""
+        self._step, self._proposed, self._idles_draft = {}, {}, False
+
+    @patching.contained(LOOKUP, _none_scheduled)
+    def scheduled(
+        self, spec_decode_tokens: Mapping[str, list[int]], prefilling: Iterable[Any], batch: int
+    ) -> None:
+        """What vLLM scheduled of this step's lookups (a request it could not fit has none),
+        and the requests it prefills in this step of `batch`: one expected to copy rests, its
+        draft idle from its prompt on (a proposal would go unverified: a copy's first decode
+        steps verify lookups)."""
         self._step = {r: p for r, p in self._proposed.items() if spec_decode_tokens.get(r)}
         self._proposed = {}
+        for request in prefilling:
+            if self._cap(request) and self._copies(request, batch):
+                self._resting.add(request.request_id)
 
     def in_step(self) -> int:
         """Requests verifying a lookup in this step."""
@@ -282,6 +296,9 @@ class SchedulerLookups:
         request_id = request.request_id
         tenant = extra_arg(request, TENANT_ARG)
         self._proposer.finish(request_id, tenant, request.output_token_ids)
+        copied = self._copied.pop(request_id, None)
+        if copied is not None:
+            self._tenant_copied[tenant] = copied
         self._paces.pop(request_id, None)
         self._waited.pop(request_id, None)
         own = self._by_request.pop(request_id, None)
@@ -297,15 +314,35 @@ class SchedulerLookups:
             del self._finished[key]  # its last sequence
         return finished or None
 
-    def _copies(self, request_id: str, batch: int) -> bool:
+    def _cap(self, request: Any) -> int:
+        """The most looked-up tokens the request may verify in a step: 0 for calibration
+        requests, requests with logit_bias, requests that asked for no lookups or capped their
+        drafts at 0."""
+        if (
+            request.request_id.startswith(CALIBRATION_PREFIX)
+            or has_logit_bias(request)
+            or extra_arg(request, NO_LOOKUPS_ARG)
+        ):
+            return 0
+        own_cap = draft_cap(request)
+        return self.max_tokens if own_cap is None else max(0, min(own_cap, self.max_tokens))
+
+    def _copies(self, request: Any, batch: int) -> bool:
         """Whether the request's lookups, with the draft idle, made its tokens faster than its
-        draft's steps would (auto mode: fixed mode has no timings)."""
-        pace = self._paces.get(request_id)
+        draft's steps would (auto mode: fixed mode has no timings). Until they have run long
+        enough to tell, a request copies where its tenant's latest request did: an editor's
+        requests are code edits one after the other."""
         cost = self._cost
-        if pace is None or pace.steps < COPY_MIN_STEPS or cost is None or not cost.ready:
+        if cost is None or not cost.ready:
             return False
+        request_id = request.request_id
+        pace = self._paces.get(request_id)
+        if pace is None or pace.steps < COPY_MIN_STEPS:
+            self._copied.setdefault(request_id, False)
+            return self._tenant_copied.get(extra_arg(request, TENANT_ARG), False)
         _, draft_seconds_per_token = self._draft_pace(cost, request_id, batch)
-        return pace.seconds < draft_seconds_per_token * pace.tokens
+        copies = self._copied[request_id] = pace.seconds < draft_seconds_per_token * pace.tokens
+        return copies
 
     def _waits(self, request_id: str, batch: int) -> bool:
         """Whether a copying request without a lookup rests one more plain step rather than

@@ -114,12 +114,12 @@ def test_a_failed_autopilot_stops_the_lookups_too(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(autopilot_scheduler.Scheduler, "_free_request", freed)
     scheduler = object.__new__(autopilot_scheduler.AutopilotScheduler)
     scheduler.running = []
-    scheduler.requests = {}
+    scheduler.requests = {"a": SimpleNamespace(num_computed_tokens=9, num_prompt_tokens=8)}
     scheduler.policy = None  # not priority: nothing to give way
     scheduler.structured_output_manager = SimpleNamespace(validate_tokens=None)
     scheduler._lookups = SimpleNamespace(
         propose=lambda running, validate: calls.append("propose"),
-        scheduled=lambda tokens: calls.append("scheduled"),
+        scheduled=lambda tokens, prefilling, batch: calls.append("scheduled"),
         finished=lambda request, requests: calls.append("finished"),
     )
     scheduler._free_request(object())
@@ -591,7 +591,7 @@ def test_a_step_whose_requests_all_verify_lookups_idles_the_draft() -> None:
         request.sampling_params.logit_bias = None
     lookups = _lookups()
     _propose(lookups, [_request("a", COPY), _request("b", COPY)])
-    lookups.scheduled({"a": [1], "b": [1]})
+    lookups.scheduled({"a": [1], "b": [1]}, [], 2)
     scheduler._lookups = lookups
     served: list[int] = []
     scheduler._cost = SimpleNamespace(ready=True)
@@ -599,7 +599,7 @@ def test_a_step_whose_requests_all_verify_lookups_idles_the_draft() -> None:
     decision = scheduler._decide({"a": 9, "b": 9}, {"a": 0, "b": 0}, {})
     assert (decision.k, decision.reason) == (0, IdleReason.LOOKUP)
     assert served == [2]  # time off for the controller's next probe
-    lookups.scheduled({"a": [1]})  # vLLM could not fit b's: b needs the draft
+    lookups.scheduled({"a": [1]}, [], 2)  # vLLM could not fit b's: b needs the draft
     assert not lookups.idles_draft(["a", "b"])
 
 
@@ -607,7 +607,7 @@ def test_lookup_steps_teach_the_lookup_and_not_the_draft_s_controller() -> None:
     scheduler = _observing_scheduler("auto")
     lookups = _lookups()
     (proposal,) = _propose(lookups, [_request("r", COPY)]).values()
-    lookups.scheduled({"r": proposal.tokens})
+    lookups.scheduled({"r": proposal.tokens}, [], 1)
     scheduler._lookups = lookups
     output = SimpleNamespace(
         num_scheduled_tokens={"r": 9}, scheduled_spec_decode_tokens={"r": [0] * 8}
@@ -714,7 +714,7 @@ def test_a_lookup_idles_the_draft_only_where_its_run_is_expected_to_go_on(runs_e
         lookups._pricing.observe_run(Proposal([1], [1.0], 20, 1, "prompt"), ended=runs_end)
     chosen = _propose(lookups, [request])
     assert request.spec_token_ids == list(range(120, 125))  # verified either way
-    lookups.scheduled({r: p.tokens for r, p in chosen.items()})
+    lookups.scheduled({r: p.tokens for r, p in chosen.items()}, [], 1)
     # Where runs end after a step, the next step would verify nothing while the draft caught
     # up: the draft runs, its proposal ready next step.
     assert lookups.idles_draft(["r"]) is not runs_end
@@ -748,7 +748,7 @@ def test_fixed_mode_verifies_lookups_whatever_the_timings() -> None:
 def test_the_end_of_a_run_is_measured_where_the_draft_idled() -> None:
     lookups = _lookups()
     (proposal,) = _propose(lookups, [_request("r", COPY)]).values()
-    lookups.scheduled({"r": proposal.tokens})
+    lookups.scheduled({"r": proposal.tokens}, [], 1)
     prior = lookups._pricing.run_ends(proposal)
     # Its next step finds nothing to look up, with the draft idle: the run ended.
     changed = [*COPY, *range(120, 128), 999]
@@ -757,7 +757,7 @@ def test_the_end_of_a_run_is_measured_where_the_draft_idled() -> None:
     assert ended > prior
     # After a lookup step whose draft ran (a proposal is ready), nothing is learnt of runs.
     (again,) = _propose(lookups, [_request("s", COPY)]).values()
-    lookups.scheduled({"s": again.tokens})
+    lookups.scheduled({"s": again.tokens}, [], 1)
     _propose(lookups, [_request("s", changed, spec_token_ids=[1, 2])])
     assert lookups._pricing.run_ends(proposal) == ended
 
@@ -774,10 +774,10 @@ def test_where_every_request_s_run_of_lookups_ended_the_draft_idles_one_plain_st
     scheduler._cost = SimpleNamespace(ready=True)
     scheduler._controller = SimpleNamespace(served_by_lookups=lambda batch: None)
     (proposal,) = _propose(lookups, [_request("r", COPY)]).values()
-    lookups.scheduled({"r": proposal.tokens})
+    lookups.scheduled({"r": proposal.tokens}, [], 1)
     changed = [*COPY, *range(120, 128), 999]  # nothing to look up after the edit
     assert _propose(lookups, [_request("r", changed)]) == {}
-    lookups.scheduled({})
+    lookups.scheduled({}, [], 1)
     assert lookups.idles_draft(["r"])
     assert not lookups.idles_draft(["r", "s"])  # s needs the draft: it runs
     decision = scheduler._decide({"r": 1}, {"r": 0}, {})
@@ -787,7 +787,7 @@ def test_where_every_request_s_run_of_lookups_ended_the_draft_idles_one_plain_st
     assert not lookups.idles_draft(["r"])
     # Where the draft ran beside the lookup, its proposal is there: nothing to hold.
     (again,) = _propose(lookups, [_request("t", COPY)]).values()
-    lookups.scheduled({"t": again.tokens})
+    lookups.scheduled({"t": again.tokens}, [], 1)
     _propose(lookups, [_request("t", changed, spec_token_ids=[1, 2])])
     assert not lookups.idles_draft(["t"])
 
@@ -846,6 +846,58 @@ def test_a_request_that_stops_copying_gets_its_draft_back() -> None:
     assert not lookups.idles_draft(["r"])
 
 
+def _finish(lookups: SchedulerLookups, request: SimpleNamespace) -> None:
+    request.output_token_ids = []
+    request.is_finished = lambda: True
+    lookups.finished(request, {request.request_id: request})
+
+
+@pytest.mark.parametrize("latest_copied", [True, False])
+def test_a_request_starts_as_its_tenant_s_latest_request_ended(latest_copied: bool) -> None:
+    """An editor's requests are code edits one after the other: a request copies from its
+    prompt on where its tenant's latest finished request copied, its draft idle at its
+    prefill; another tenant's request does not."""
+    lookups = _copying_lookups()
+    editor = {request_args.TENANT_ARG: "editor"}
+    _propose(lookups, [_request("r", [*range(100, 140), 7, 100, 101], extra_args=editor)])
+    for _ in range(4):
+        lookups.paced(0.05, {"r": 5 if latest_copied else 1})  # 100 or 20 tokens/s
+    _propose(lookups, [_request("r", [*range(100, 140), 7, 100, 101], extra_args=editor)])
+    _finish(lookups, _request("r", COPY, extra_args=editor))
+    chat = {request_args.TENANT_ARG: "chat"}
+    prompt = [*range(100, 140), 7]
+    new, other = _request("n", prompt, extra_args=editor), _request("o", prompt, extra_args=chat)
+    lookups.scheduled({}, [new, other], 2)
+    assert lookups.idles_draft(["n"]) is latest_copied
+    assert not lookups.idles_draft(["o"])
+    # Its first decode step: a lookup four times its match where it copies.
+    request = _request("n", [*prompt, 100, 101], extra_args=editor)
+    _propose(lookups, [request])
+    assert len(request.spec_token_ids) == (8 if latest_copied else 2)
+    # Until its own lookups tell, it stays as it started; a request offered none (its drafts
+    # capped at 0) leaves its tenant's as it was.
+    off = {**editor, request_args.MAX_DRAFT_TOKENS_ARG: 0}
+    _finish(lookups, _request("off", COPY, extra_args=off))
+    again = _request("a", prompt, extra_args=editor)
+    lookups.scheduled({}, [again], 1)
+    assert lookups.idles_draft(["a"]) is latest_copied
+
+
+def test_a_request_that_started_copying_is_told_apart_by_its_own_pace() -> None:
+    lookups = _copying_lookups()
+    lookups._tenant_copied[None] = True
+    request = _request("r", [*range(100, 140), 7, 100, 101])
+    _propose(lookups, [request])
+    assert len(request.spec_token_ids) == 8
+    for _ in range(4):
+        lookups.paced(0.05, {"r": 1})  # 20 tokens/s against its draft's 62.5
+    request = _request("r", [*range(100, 140), 7, 100, 101])
+    _propose(lookups, [request])
+    assert request.spec_token_ids == [102, 103]
+    _finish(lookups, request)
+    assert lookups._tenant_copied[None] is False
+
+
 def test_a_request_whose_lookups_fall_behind_its_draft_does_not_copy() -> None:
     lookups = _copying_lookups()
     for _ in range(20):
@@ -886,5 +938,5 @@ def test_where_the_draft_idled_for_a_request_s_lookups_the_next_must_beat_the_dr
     lookups._resting = {"w"} if rested else set()
     weak = _request("w", [5, 1, 5, 2, 5, 3, 5])
     assert set(_propose(lookups, [weak])) == {"w"}  # beside the draft where it restarts
-    lookups.scheduled({"w": weak.spec_token_ids})
+    lookups.scheduled({"w": weak.spec_token_ids}, [], 1)
     assert lookups.idles_draft(["w"]) is not rested
