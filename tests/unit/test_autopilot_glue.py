@@ -603,6 +603,28 @@ def test_a_step_whose_requests_all_verify_lookups_idles_the_draft() -> None:
     assert not lookups.idles_draft(["a", "b"])
 
 
+def test_once_the_lookups_failed_no_step_idles_the_draft_for_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(patching, "_failed", set())
+    monkeypatch.delenv(patching.SETTINGS_ENV, raising=False)  # no front end to report to
+    lookups = _lookups()
+    (proposal,) = _propose(lookups, [_request("r", COPY)]).values()
+    lookups.scheduled({"r": proposal.tokens}, [], 1)
+    changed = [*COPY, *range(120, 128), 999]  # nothing to look up after the edit: r rests
+    assert _propose(lookups, [_request("r", changed)]) == {}
+    lookups.scheduled({}, [], 1)
+    assert lookups.idles_draft(["r"])
+
+    def fail(*args: Any) -> None:
+        raise RuntimeError("a lookup failed")
+
+    monkeypatch.setattr(lookups._proposer, "find", fail)
+    assert _propose(lookups, [_request("r", [*changed, 5])]) == {}
+    lookups.scheduled({}, [], 1)
+    assert not lookups.idles_draft(["r"])  # the draft runs for r from now on
+
+
 def test_lookup_steps_teach_the_lookup_and_not_the_draft_s_controller() -> None:
     scheduler = _observing_scheduler("auto")
     lookups = _lookups()
