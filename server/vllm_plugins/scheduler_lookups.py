@@ -331,7 +331,8 @@ class SchedulerLookups:
         """Whether the request's lookups, with the draft idle, made its tokens faster than its
         draft's steps would (auto mode: fixed mode has no timings). Until they have run long
         enough to tell, a request copies where its tenant's latest request did: an editor's
-        requests are code edits one after the other."""
+        requests are code edits one after the other. The request's own verdict is kept for its
+        tenant's next request (`finished`)."""
         cost = self._cost
         if cost is None or not cost.ready:
             return False
